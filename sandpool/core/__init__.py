@@ -1,0 +1,71 @@
+"""The core: pool, strategies, in-place reset, rate limiting, failure accounting and reports.
+
+It knows nothing of gymnasium, NeMo Gym or OpenHands.
+"""
+
+from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox, SandboxState
+from sandpool.core.errors import (
+    ApiError,
+    BackendUnavailable,
+    ConfigError,
+    ExecTransportError,
+    FatalError,
+    ImageNotFound,
+    InfraError,
+    InfraTimeout,
+    InputError,
+    PoolClosed,
+    SandboxDied,
+    SandboxStartError,
+    SandpoolError,
+    TaskError,
+    TaskValidationError,
+)
+from sandpool.core.metrics import Outcome, Report, RolloutResult, TTFCStats, Workload
+from sandpool.core.pool import Lease, PoolLimits, PoolState, SandboxPool
+from sandpool.core.reset import ResetOutcome, reset_in_place
+from sandpool.core.rollout import Episode, run_rollout
+from sandpool.core.strategies import Cold, Reuse, Strategy, Warm, get_strategy
+from sandpool.core.task import Task
+
+__all__ = [
+    "ApiError",
+    "Backend",
+    "BackendUnavailable",
+    "Cold",
+    "ConfigError",
+    "Episode",
+    "ExecResult",
+    "ExecTransportError",
+    "FatalError",
+    "ImageNotFound",
+    "InfraError",
+    "InfraTimeout",
+    "InputError",
+    "Lease",
+    "Outcome",
+    "PoolClosed",
+    "PoolLimits",
+    "PoolState",
+    "Report",
+    "ResetOutcome",
+    "ResourceLimits",
+    "Reuse",
+    "RolloutResult",
+    "Sandbox",
+    "SandboxDied",
+    "SandboxPool",
+    "SandboxStartError",
+    "SandboxState",
+    "SandpoolError",
+    "Strategy",
+    "TTFCStats",
+    "Task",
+    "TaskError",
+    "TaskValidationError",
+    "Warm",
+    "Workload",
+    "get_strategy",
+    "reset_in_place",
+    "run_rollout",
+]

@@ -1,0 +1,527 @@
+"""Local sandboxes: a bubblewrap process tree per sandbox, the embedded default backend.
+
+Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
+
+* no network (``--unshare-all``; ``ResourceLimits.network`` shares it back), its own pid,
+  ipc, uts, user and cgroup namespaces, ``--die-with-parent``, ``--new-session``, and no
+  nested user namespaces;
+* a read-only view of the host's ``/usr`` (the toolchain), the image's interpreter and venv,
+  and nothing of the host's home, work trees or environment (``--clearenv``);
+* the image's repo at ``/testbed`` as an overlayfs whose upper layer is private to the
+  sandbox (copy-on-write, not a copy), and a private ``/tmp``;
+* CPU, memory and pid limits from its own cgroup, joined before bubblewrap starts.
+
+An image is a directory ``<images_root>/<safe-name>/`` holding ``image.json``, ``repo/`` and
+``venv/`` (see :class:`LocalImage`); building one is hydration, done before rollouts ask.
+Overlay mounts need root (``CAP_SYS_ADMIN``); :meth:`LocalBackend.preflight` says so plainly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import ctypes
+import ctypes.util
+import itertools
+import json
+import os
+import re
+import shutil
+import signal
+import uuid
+from pathlib import Path, PurePosixPath
+
+from pydantic import BaseModel, ValidationError
+
+from sandpool.core import errors
+from sandpool.core.backends import _cgroup
+from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox
+from sandpool.core.paths import sandpool_home
+
+__all__ = ["LocalBackend", "LocalImage", "LocalSandbox", "image_dir"]
+
+_AGENT = Path(__file__).with_name("_agent.py")
+_AGENT_IN_SANDBOX = "/opt/sandpool/agent.py"
+_SANDBOX_UID = 1000
+_TRANSPORT_GRACE_S = 10.0
+_STREAM_LIMIT = 256 << 20  # bytes; one response line carries a whole (base64) output
+_MNT_DETACH = 2
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def image_dir(images_root: Path, name: str) -> Path:
+    """Return the directory of local image ``name`` under ``images_root``.
+
+    ``sandpool.local/toolz:1.0.0`` maps to ``<images_root>/sandpool.local_toolz_1.0.0``.
+    """
+    return Path(images_root) / re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+class LocalImage(BaseModel):
+    """``image.json``: what a local image directory holds.
+
+    Attributes:
+        name: The image name tasks refer to.
+        python_prefix: ``sys.base_prefix`` of the interpreter the venv was made from; it is
+            bind-mounted read-only at the same path.
+        venv: Absolute path of the image's venv (bind-mounted read-only at the same path).
+        repo: Absolute path of the git repo that becomes ``workdir`` (overlay lower layer).
+        workdir: Where the repo appears inside the sandbox.
+    """
+
+    name: str
+    python_prefix: str
+    venv: str
+    repo: str
+    workdir: str = "/testbed"
+
+
+class LocalSandbox(Sandbox):
+    """A running local sandbox: an agent process spoken to over JSON lines on stdio.
+
+    Created by :meth:`LocalBackend.create`; not constructed directly.
+    """
+
+    def __init__(self, sid: str, image: LocalImage, proc: asyncio.subprocess.Process,
+                 state_dir: Path) -> None:
+        self.id = sid
+        self.image = image.name
+        self.workdir = image.workdir
+        self.state_dir = state_dir
+        self._proc = proc
+        self._pending: dict[int, asyncio.Future[dict]] = {}
+        self._ids = itertools.count(1)
+        self._dead: str | None = None
+        self._ready: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-reader-{sid}")
+
+    def __repr__(self) -> str:
+        state = f"dead: {self._dead}" if self._dead else "alive"
+        return f"<LocalSandbox {self.id} image={self.image!r} {state} pending={len(self._pending)}>"
+
+    @property
+    def pid(self) -> int:
+        """Host pid of the sandbox's bubblewrap process."""
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        """True until the agent's channel closed or the process exited."""
+        return self._dead is None and self._proc.returncode is None
+
+    async def _read_loop(self) -> None:
+        assert self._proc.stdout is not None
+        reason = "the sandbox process exited"
+        try:
+            while True:
+                line = await self._proc.stdout.readline()
+                if not line:
+                    break
+                try:
+                    msg = json.loads(line)
+                except json.JSONDecodeError:
+                    reason = f"garbled frame from the agent: {line[:80]!r}"
+                    break
+                rid = msg.get("id")
+                if rid == 0 and not self._ready.done():
+                    self._ready.set_result(msg)
+                    continue
+                fut = self._pending.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg)
+        except (ValueError, OSError) as exc:  # line over the stream limit, or pipe error
+            reason = f"agent channel failed: {exc}"
+        self._dead = reason
+        err = errors.SandboxDied(f"sandbox {self.id}: {reason}")
+        if not self._ready.done():
+            self._ready.set_exception(err)
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+
+    async def _wait_ready(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except TimeoutError:
+            raise errors.SandboxStartError(
+                f"sandbox {self.id} did not become ready within {timeout:.0f} s"
+            ) from None
+        except errors.SandboxDied as exc:
+            log = (self.state_dir / "stderr.log").read_text(errors="replace")[-2000:]
+            raise errors.SandboxStartError(f"sandbox {self.id} failed to start: {log.strip() or exc}") from None
+
+    async def _call(self, op: str, wait_s: float, **fields: object) -> dict:
+        # The single boundary where OS and protocol errors become sandpool errors.
+        if self._dead is not None:
+            raise errors.SandboxDied(f"sandbox {self.id}: {self._dead}")
+        rid = next(self._ids)
+        fut: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut
+        try:
+            assert self._proc.stdin is not None
+            frame = json.dumps({"id": rid, "op": op, **fields}).encode() + b"\n"
+            self._proc.stdin.write(frame)
+            await self._proc.stdin.drain()
+            msg = await asyncio.wait_for(fut, wait_s)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise errors.SandboxDied(f"sandbox {self.id}: channel closed ({exc})") from exc
+        except TimeoutError:
+            raise errors.ExecTransportError(
+                f"sandbox {self.id}: no answer to {op!r} within {wait_s:.0f} s"
+            ) from None
+        finally:
+            self._pending.pop(rid, None)
+        if msg.get("error") == "agent_exception":
+            raise errors.ExecTransportError(f"sandbox {self.id}: agent failed {op!r}: {msg['message']}")
+        return msg
+
+    def _abs(self, path: str) -> str:
+        p = PurePosixPath(path)
+        return str(p if p.is_absolute() else PurePosixPath(self.workdir) / p)
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        max_output: int = 1 << 20,
+    ) -> ExecResult:
+        """Run ``cmd`` in the sandbox; see :meth:`Sandbox.exec`."""
+        msg = await self._call(
+            "exec",
+            timeout + _TRANSPORT_GRACE_S,
+            cmd=cmd,
+            timeout=timeout,
+            cwd=self._abs(cwd or self.workdir),
+            env=env or {},
+            max_output=max_output,
+        )
+        return ExecResult(
+            exit_code=msg["exit_code"],
+            stdout=base64.b64decode(msg["stdout"]),
+            stderr=base64.b64decode(msg["stderr"]),
+            stdout_truncated=msg["stdout_truncated"],
+            stderr_truncated=msg["stderr_truncated"],
+            timed_out=msg["timed_out"],
+            duration_s=msg["duration_s"],
+        )
+
+    async def read_file(self, path: str) -> bytes:
+        """Return the bytes of ``path``; see :meth:`Sandbox.read_file`."""
+        msg = await self._call("read_file", 60.0, path=self._abs(path))
+        if "error" in msg:
+            raise FileNotFoundError(f"{path} in sandbox {self.id}: {msg['error']}")
+        return base64.b64decode(msg["data"])
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path``; see :meth:`Sandbox.write_file`."""
+        await self._call("write_file", 60.0, path=self._abs(path),
+                         data=base64.b64encode(data).decode(), mode=mode)
+
+    async def processes(self) -> list[str]:
+        """Command lines of every process in the sandbox except its agent and init."""
+        return list((await self._call("ps", 30.0))["procs"])
+
+    async def kill_strays(self) -> int:
+        """SIGKILL every process but the agent; return how many were signalled."""
+        return int((await self._call("kill_strays", 30.0))["killed"])
+
+
+class LocalBackend(Backend):
+    """Creates sandboxes as bubblewrap process trees on this machine.
+
+    Usage::
+
+        backend = LocalBackend()                       # images under ~/.cache/sandpool/images
+        sandbox = await backend.create("sandpool.local/toolz:1.0.0")
+        result = await sandbox.exec("git status", timeout=10)
+        await backend.aclose()                         # deletes every sandbox it made
+
+    Args:
+        images_root: Directory of image directories (default ``sandpool_home()/images``).
+        limits: Per-sandbox CPU, memory, pid and network settings.
+        state_root: Where per-sandbox overlay layers live (default ``sandpool_home()/local``).
+        start_timeout: Seconds a sandbox may take to accept commands.
+        bwrap: The bubblewrap executable.
+        require_limits: Refuse to run when no cgroup hierarchy is writable (default). Set
+            False to run without CPU/memory/pid limits, e.g. unprivileged in a container.
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        images_root: Path | str | None = None,
+        *,
+        limits: ResourceLimits = ResourceLimits(),
+        state_root: Path | str | None = None,
+        start_timeout: float = 30.0,
+        bwrap: str = "bwrap",
+        require_limits: bool = True,
+    ) -> None:
+        self.images_root = Path(images_root) if images_root else sandpool_home() / "images"
+        self.limits = limits
+        self.run_id = uuid.uuid4().hex[:8]
+        self._state_base = Path(state_root) if state_root else sandpool_home() / "local"
+        self._run_dir = self._state_base / self.run_id
+        self.start_timeout = start_timeout
+        self.bwrap = bwrap
+        self.require_limits = require_limits
+        self._images: dict[str, LocalImage] = {}
+        self._live: dict[str, LocalSandbox] = {}
+        self._seq = itertools.count(1)
+        self._cgroups = _cgroup.detect(f"sandpool/{self.run_id}")
+        self._preflight_ok = False
+
+    def __repr__(self) -> str:
+        return f"<LocalBackend run={self.run_id} live={len(self._live)} images={len(self._images)}>"
+
+    async def preflight(self) -> None:
+        """Check bubblewrap, overlay permission and cgroups; reap dead runs' leftovers.
+
+        Raises:
+            BackendUnavailable: With one sentence naming what is missing and the fix.
+        """
+        if self._preflight_ok:
+            return
+        if shutil.which(self.bwrap) is None:
+            raise errors.BackendUnavailable(
+                f"bubblewrap ({self.bwrap!r}) is not on PATH; install it: apt-get install bubblewrap"
+            )
+        if os.geteuid() != 0:
+            raise errors.BackendUnavailable(
+                "the local backend mounts an overlay per sandbox and needs root (CAP_SYS_ADMIN); "
+                "run as root or use the kubernetes backend"
+            )
+        if self._cgroups is None and self.require_limits:
+            raise errors.BackendUnavailable(
+                "no writable cgroup hierarchy (v1 pids+memory+cpu or v2) for sandbox limits; "
+                "fix the cgroup mount or pass require_limits=False to run without limits"
+            )
+        reap_stale(self._state_base)
+        self._run_dir.mkdir(parents=True, exist_ok=True)
+        (self._run_dir / "owner.pid").write_text(str(os.getpid()))
+        self._preflight_ok = True
+
+    def image(self, name: str) -> LocalImage:
+        """Load and cache ``image.json`` of image ``name``.
+
+        Raises:
+            ImageNotFound: No built image of that name; the message says how to build one.
+        """
+        if name in self._images:
+            return self._images[name]
+        path = image_dir(self.images_root, name) / "image.json"
+        if not path.exists():
+            raise errors.ImageNotFound(
+                f"image {name!r} is not built under {self.images_root} (no {path.name}); "
+                "build the task pack first (`sandpool build-pack`) or fix the task's `image` field"
+            )
+        try:
+            img = LocalImage.model_validate_json(path.read_text())
+        except ValidationError as exc:
+            raise errors.ImageNotFound(f"image {name!r}: {path} is malformed: {exc}") from exc
+        for field in ("venv", "repo", "python_prefix"):
+            if Path(getattr(img, field)).is_relative_to("/tmp"):
+                raise errors.ImageNotFound(
+                    f"image {name!r}: {field} {getattr(img, field)} is under /tmp, which is private "
+                    "to each sandbox; build images elsewhere (the default is under sandpool_home())"
+                )
+            if not Path(getattr(img, field)).is_dir():
+                raise errors.ImageNotFound(
+                    f"image {name!r}: {field} directory {getattr(img, field)} is missing; rebuild the image"
+                )
+        self._images[name] = img
+        return img
+
+    async def hydrate(self, image: str) -> None:
+        """Verify that local image ``image`` is built; see :meth:`image`."""
+        self.image(image)
+
+    def _bwrap_argv(self, img: LocalImage, merged: Path) -> list[str]:
+        venv_bin = f"{img.venv}/bin"
+        argv = [
+            self.bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            *(["--share-net"] if self.limits.network else []),
+            "--die-with-parent",
+            "--new-session",
+            "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
+            "--disable-userns",
+            "--hostname", "sandbox",
+            "--clearenv",
+            "--ro-bind", "/usr", "/usr",
+        ]
+        for top in ("bin", "sbin", "lib", "lib32", "lib64"):
+            host = Path("/") / top
+            if host.is_symlink():
+                argv += ["--symlink", os.readlink(host), f"/{top}"]
+            elif host.exists():
+                argv += ["--ro-bind", str(host), f"/{top}"]
+        etc = self._run_dir / "etc"
+        for name in ("passwd", "group", "hosts"):
+            argv += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+        for name in ("ld.so.cache", "ssl", "alternatives", "localtime", "mime.types"):
+            argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        argv += [
+            "--proc", "/proc",
+            "--dev", "/dev",
+            "--tmpfs", "/tmp",
+            "--ro-bind", img.python_prefix, img.python_prefix,
+            "--ro-bind", img.venv, img.venv,
+            "--bind", str(merged), img.workdir,
+            "--ro-bind", str(_AGENT), _AGENT_IN_SANDBOX,
+            "--setenv", "PATH", f"{venv_bin}:/usr/local/bin:/usr/bin:/bin",
+            "--setenv", "VIRTUAL_ENV", img.venv,
+            "--setenv", "HOME", "/tmp",
+            "--setenv", "LANG", "C.UTF-8",
+            "--setenv", "TMPDIR", "/tmp",
+            "--setenv", "GIT_CONFIG_NOSYSTEM", "1",
+            "--setenv", "GIT_AUTHOR_NAME", "sandbox", "--setenv", "GIT_AUTHOR_EMAIL", "sandbox@localhost",
+            "--setenv", "GIT_COMMITTER_NAME", "sandbox", "--setenv", "GIT_COMMITTER_EMAIL", "sandbox@localhost",
+            "--chdir", img.workdir,
+            f"{venv_bin}/python", "-I", "-u", _AGENT_IN_SANDBOX,
+        ]
+        return argv
+
+    def _write_etc(self) -> None:
+        etc = self._run_dir / "etc"
+        if etc.exists():
+            return
+        etc.mkdir(parents=True)
+        (etc / "passwd").write_text(f"sandbox:x:{_SANDBOX_UID}:{_SANDBOX_UID}::/tmp:/bin/bash\n")
+        (etc / "group").write_text(f"sandbox:x:{_SANDBOX_UID}:\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+
+    async def create(self, image: str) -> LocalSandbox:
+        """Start a sandbox from local image ``image``; returns once its agent is ready.
+
+        Raises:
+            ImageNotFound: The image is not built.
+            SandboxStartError: Mount, cgroup or bubblewrap failed, or the agent never answered.
+            BackendUnavailable: Preflight failed.
+        """
+        await self.preflight()
+        img = self.image(image)
+        self._write_etc()
+        sid = f"sb-{self.run_id}-{next(self._seq)}"
+        state = self._run_dir / sid
+        upper, work, merged = state / "upper", state / "work", state / "merged"
+        try:
+            for d in (upper, work, merged):
+                d.mkdir(parents=True)
+            _mount_overlay(img.repo, upper, work, merged)
+            procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
+            stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    "/bin/sh", "-c",
+                    # Join the cgroups first, so every process the sandbox forks is inside.
+                    'for f in $SANDPOOL_CGROUP_PROCS; do echo $$ > "$f"; done; exec "$@"',
+                    "sh", *self._bwrap_argv(img, merged),
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=stderr,
+                    env={"SANDPOOL_CGROUP_PROCS": " ".join(procs), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                    limit=_STREAM_LIMIT,
+                )
+            finally:
+                stderr.close()
+        except OSError as exc:
+            await asyncio.to_thread(self._cleanup_state, sid, state)
+            raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
+        sandbox = LocalSandbox(sid, img, proc, state)
+        self._live[sid] = sandbox
+        try:
+            await sandbox._wait_ready(self.start_timeout)
+        except BaseException:
+            await self.delete(sandbox)
+            raise
+        return sandbox
+
+    async def delete(self, sandbox: Sandbox) -> None:
+        """Kill the sandbox's whole process tree, unmount its overlay, remove its state."""
+        assert isinstance(sandbox, LocalSandbox)
+        self._live.pop(sandbox.id, None)
+        proc = sandbox._proc
+        if proc.returncode is None:
+            try:
+                proc.kill()
+            except ProcessLookupError:
+                pass
+        if proc.stdin is not None:
+            proc.stdin.close()
+        await asyncio.to_thread(self._cleanup_state, sandbox.id, sandbox.state_dir)
+        await proc.wait()
+        await sandbox._reader
+
+    def _cleanup_state(self, sid: str, state: Path) -> None:
+        if self._cgroups is not None:
+            self._cgroups.kill_and_remove(sid)
+        _umount(state / "merged")
+        shutil.rmtree(state, ignore_errors=True)
+
+    def kill(self, sandbox: LocalSandbox) -> None:
+        """SIGKILL the sandbox's process tree without cleaning up, as an OOM kill or a crash
+        would; the pool then finds it dead. Used by fault tests and ``sandpool`` chaos runs."""
+        if self._cgroups is not None:
+            for pid in self._cgroups.pids(sandbox.id):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        try:
+            os.kill(sandbox.pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    async def aclose(self) -> None:
+        """Delete every live sandbox, this run's cgroups and state directory."""
+        await asyncio.gather(*(self.delete(sb) for sb in list(self._live.values())))
+        if self._cgroups is not None:
+            self._cgroups.remove_parent()
+        await asyncio.to_thread(shutil.rmtree, self._run_dir, True)
+
+
+def _mount_overlay(lower: str, upper: Path, work: Path, merged: Path) -> None:
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    if _libc.mount(b"overlay", str(merged).encode(), b"overlay", 0, opts) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"overlay mount on {merged}: {os.strerror(err)}")
+
+
+def _umount(path: Path) -> None:
+    _libc.umount2(str(path).encode(), _MNT_DETACH)
+
+
+def reap_stale(state_base: Path) -> list[str]:
+    """Remove what dead runs left behind: overlay mounts, cgroups and state directories.
+
+    A run is dead when the pid in its ``owner.pid`` no longer exists (a kill -9 of the
+    runner). Returns the run ids reaped.
+    """
+    reaped = []
+    if not state_base.is_dir():
+        return reaped
+    for run in state_base.iterdir():
+        try:
+            owner = int((run / "owner.pid").read_text())
+        except (OSError, ValueError):
+            owner = -1
+        if owner > 0 and Path(f"/proc/{owner}").exists():
+            continue
+        driver = _cgroup.detect(f"sandpool/{run.name}")
+        for sb in run.glob("sb-*"):
+            if driver is not None:
+                driver.kill_and_remove(sb.name)
+            _umount(sb / "merged")
+        if driver is not None:
+            driver.remove_parent()
+        shutil.rmtree(run, ignore_errors=True)
+        reaped.append(run.name)
+    return reaped
+

@@ -1,0 +1,202 @@
+"""The sandbox contract: what a backend provides and what a pool hands out.
+
+A backend creates and deletes sandboxes; a sandbox runs commands and moves files. Local
+(bubblewrap) and Kubernetes (agent-sandbox) backends are peers behind :class:`Backend`, in the
+way httpx's transports are peers behind ``BaseTransport``.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass
+
+__all__ = [
+    "Backend",
+    "ExecResult",
+    "ResourceLimits",
+    "Sandbox",
+    "SandboxState",
+]
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The result of one command run in a sandbox.
+
+    Attributes:
+        exit_code: The process exit status; ``128 + N`` when killed by signal ``N``, and
+            ``124`` on timeout (as coreutils ``timeout`` reports it).
+        stdout: Captured standard output, at most ``max_output`` bytes.
+        stderr: Captured standard error, at most ``max_output`` bytes.
+        stdout_truncated: True when stdout was longer than the cap and was cut.
+        stderr_truncated: True when stderr was longer than the cap and was cut.
+        timed_out: True when the server-side timeout fired and killed the process group.
+        duration_s: Wall time of the command inside the sandbox, in seconds.
+    """
+
+    exit_code: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    timed_out: bool = False
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when the command exited 0 and did not time out."""
+        return self.exit_code == 0 and not self.timed_out
+
+    @property
+    def text(self) -> str:
+        """Stdout decoded as UTF-8; invalid bytes become U+FFFD."""
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def err_text(self) -> str:
+        """Stderr decoded as UTF-8; invalid bytes become U+FFFD."""
+        return self.stderr.decode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class ResourceLimits:
+    """Per-sandbox resource limits.
+
+    Usage: ``ResourceLimits(cpus=1.0, memory_bytes=2 * 2**30, pids=256)``.
+
+    Attributes:
+        cpus: CPU quota in cores (``1.0`` is one full core).
+        memory_bytes: Memory limit in bytes.
+        pids: Maximum number of processes and threads.
+        network: Whether the sandbox gets network access (off by default).
+    """
+
+    cpus: float = 1.0
+    memory_bytes: int = 2 * 2**30
+    pids: int = 512
+    network: bool = False
+
+
+class SandboxState(enum.Enum):
+    """Lifecycle of one sandbox as the pool sees it."""
+
+    CREATING = "creating"
+    IDLE = "idle"
+    LEASED = "leased"
+    RESETTING = "resetting"
+    DELETED = "deleted"
+
+
+class Sandbox(abc.ABC):
+    """One isolated environment started from an image (a pod, or a bubblewrap process tree).
+
+    Attributes:
+        id: Unique id of this sandbox, stable for its lifetime.
+        image: The image it was started from.
+        workdir: Absolute path of the task repository inside the sandbox.
+    """
+
+    id: str
+    image: str
+    workdir: str
+
+    @abc.abstractmethod
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        max_output: int = 1 << 20,
+    ) -> ExecResult:
+        """Run a command; a string runs under ``bash -c``.
+
+        Args:
+            cmd: Shell string, or an argv list run without a shell.
+            timeout: Server-side timeout in seconds; on expiry the command's whole process
+                group is killed and ``timed_out`` is set.
+            cwd: Working directory inside the sandbox (default: ``workdir``).
+            env: Extra environment variables.
+            max_output: Cap in bytes on each of stdout and stderr.
+
+        Returns:
+            The :class:`ExecResult`.
+
+        Raises:
+            SandboxDied: The sandbox is gone.
+            ExecTransportError: The command channel failed.
+        """
+
+    @abc.abstractmethod
+    async def read_file(self, path: str) -> bytes:
+        """Return the bytes of ``path`` (absolute, or relative to ``workdir``).
+
+        Raises:
+            FileNotFoundError: No such file in the sandbox.
+            SandboxDied, ExecTransportError: As for :meth:`exec`.
+        """
+
+    @abc.abstractmethod
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` (absolute, or relative to ``workdir``), making parents.
+
+        Raises:
+            SandboxDied, ExecTransportError: As for :meth:`exec`.
+        """
+
+    @abc.abstractmethod
+    async def processes(self) -> list[str]:
+        """Return the command lines of processes in the sandbox other than its own agent."""
+
+    @abc.abstractmethod
+    async def kill_strays(self) -> int:
+        """SIGKILL every process in the sandbox except its agent; return how many."""
+
+    @abc.abstractmethod
+    def alive(self) -> bool:
+        """Cheap local check that the sandbox has not died (no round trip)."""
+
+
+class Backend(abc.ABC):
+    """Creates and deletes sandboxes. One async method per operation.
+
+    Backends translate every lower-layer error into :mod:`sandpool.core.errors` at their
+    boundary.
+    """
+
+    #: Short name used in reports (``local``, ``kubernetes``, ``memory``).
+    name: str = "backend"
+
+    async def preflight(self) -> None:
+        """Check that this backend can run at all; raise :class:`BackendUnavailable` if not."""
+
+    async def hydrate(self, image: str) -> None:
+        """Make ``image`` present where sandboxes will start (pull, or verify a build).
+
+        Raises:
+            ImageNotFound: The image does not exist and cannot be obtained.
+        """
+
+    @abc.abstractmethod
+    async def create(self, image: str) -> Sandbox:
+        """Start a sandbox from ``image`` and return once it accepts commands.
+
+        Raises:
+            ImageNotFound: Unknown image.
+            SandboxStartError: The sandbox failed to start.
+        """
+
+    @abc.abstractmethod
+    async def delete(self, sandbox: Sandbox) -> None:
+        """Stop ``sandbox`` and remove everything it made. Idempotent; never raises for a
+        sandbox that is already gone."""
+
+    async def aclose(self) -> None:
+        """Release backend-wide resources (clients, state directories)."""
+
+    @property
+    def api_writes(self) -> int:
+        """Number of write requests this backend sent to a control plane (0 for local)."""
+        return 0

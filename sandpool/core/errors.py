@@ -1,0 +1,154 @@
+"""The one error tree of sandpool, split by what the caller should do next.
+
+```
+SandpoolError
+├── InfraError                  retry: the rollout ends `infra_failed`, never reward 0
+│   ├── SandboxStartError       a sandbox could not be created or did not become ready
+│   ├── SandboxDied             the sandbox vanished mid-use (killed, evicted, deleted)
+│   ├── ExecTransportError      the command channel broke (no answer, garbled frame)
+│   ├── InfraTimeout            an infra operation (claim, reset, create) ran out of time
+│   └── ApiError                the control plane kept failing (429/5xx) after retries
+├── InputError                  fix the input: the message names the field and the fix
+│   ├── TaskValidationError     a malformed task row
+│   ├── ImageNotFound           a task names an image that was never built or pulled
+│   └── ConfigError             a bad option or config file key
+├── TaskError                   the policy's own failure: the rollout ends `task_failed`
+└── FatalError                  give up: the environment cannot run sandboxes at all
+    ├── BackendUnavailable      bubblewrap missing, CRDs missing, RBAC denied, ...
+    └── PoolClosed              use of a pool (or lease) after close
+```
+
+Lower-layer errors (bubblewrap, OS, Kubernetes client, httpx) are translated into this tree
+at one boundary per backend, so callers only ever catch these classes.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ApiError",
+    "BackendUnavailable",
+    "ConfigError",
+    "ExecTransportError",
+    "FatalError",
+    "ImageNotFound",
+    "InfraError",
+    "InfraTimeout",
+    "InputError",
+    "PoolClosed",
+    "SandboxDied",
+    "SandboxStartError",
+    "SandpoolError",
+    "TaskError",
+    "TaskValidationError",
+]
+
+
+class SandpoolError(Exception):
+    """Base class of every error sandpool raises on purpose."""
+
+    #: Short machine-readable kind used in reports (``failures by kind``).
+    kind: str = "error"
+
+
+class InfraError(SandpoolError):
+    """Infrastructure failed under the rollout; retryable, and never scored as a reward."""
+
+    kind = "infra"
+
+
+class SandboxStartError(InfraError):
+    """A sandbox could not be started or never became ready."""
+
+    kind = "sandbox_start"
+
+
+class SandboxDied(InfraError):
+    """A sandbox died while leased (killed, OOM-killed, evicted, or its pod deleted)."""
+
+    kind = "sandbox_died"
+
+
+class ExecTransportError(InfraError):
+    """The channel that carries commands into the sandbox failed."""
+
+    kind = "exec_transport"
+
+
+class InfraTimeout(InfraError):
+    """An infra operation (claim, reset, create, readiness) exceeded its timeout."""
+
+    kind = "infra_timeout"
+
+
+class ApiError(InfraError):
+    """The control plane answered with errors (429/5xx) until the retry budget ran out.
+
+    Args:
+        message: What was attempted and what the server said.
+        status: The last HTTP status code, or ``None`` for connection errors.
+    """
+
+    kind = "api"
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class InputError(SandpoolError, ValueError):
+    """The caller's input is wrong; retrying will not help. The message names the fix."""
+
+    kind = "input"
+
+
+class TaskValidationError(InputError):
+    """A task row is malformed.
+
+    Args:
+        message: Which field is wrong and how to fix it.
+        row: 1-based row number in the source file, when known.
+        field: The offending field name, when known.
+    """
+
+    kind = "task_validation"
+
+    def __init__(self, message: str, *, row: int | None = None, field: str | None = None) -> None:
+        super().__init__(message)
+        self.row = row
+        self.field = field
+
+
+class ImageNotFound(InputError):
+    """A task names an image that is not present (not built locally, not pullable)."""
+
+    kind = "image_not_found"
+
+
+class ConfigError(InputError):
+    """An option or configuration key has an invalid value."""
+
+    kind = "config"
+
+
+class TaskError(SandpoolError):
+    """The policy failed on its own (its error, or its command's timeout): ``task_failed``."""
+
+    kind = "task"
+
+
+class FatalError(SandpoolError):
+    """The environment cannot provide sandboxes at all; stop and fix the setup."""
+
+    kind = "fatal"
+
+
+class BackendUnavailable(FatalError):
+    """A backend's preflight failed (missing binary, missing CRDs, denied permission)."""
+
+    kind = "backend_unavailable"
+
+
+class PoolClosed(FatalError):
+    """A pool or lease was used after it was closed."""
+
+    kind = "pool_closed"

@@ -1,0 +1,217 @@
+"""Rollout outcomes, pool counters and the run report (text and JSON with the same fields)."""
+
+from __future__ import annotations
+
+import enum
+import statistics
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+__all__ = [
+    "Outcome",
+    "PoolCounters",
+    "RejectedTask",
+    "Report",
+    "RewardSummary",
+    "RolloutResult",
+    "TTFCStats",
+    "Workload",
+]
+
+
+class Outcome(str, enum.Enum):
+    """How a rollout ended; every rollout ends as exactly one of these."""
+
+    COMPLETED = "completed"  #: ran to the end and was graded
+    INFRA_FAILED = "infra_failed"  #: infrastructure failed after all retries; never a reward
+    TASK_FAILED = "task_failed"  #: the policy's own error or its command's timeout
+
+
+class RolloutResult(BaseModel):
+    """One rollout's end state.
+
+    Attributes:
+        task_id: The task's ``instance_id``.
+        rollout: Index of this rollout among the task's rollouts (0-based).
+        outcome: See :class:`Outcome`.
+        reward: 1.0/0.0 for ``completed`` and ``task_failed``; ``None`` for ``infra_failed``.
+        attempts: Claims made (1 + infra retries).
+        ttfc_s: Time to first command of the attempt that finished, in seconds.
+        duration_s: Wall time of the whole rollout including retries, in seconds.
+        error_kind: ``SandpoolError.kind`` of the last error, if any.
+        error: Its message.
+        policy: Name of the policy that acted.
+        sandbox_id: The sandbox of the last attempt.
+    """
+
+    task_id: str
+    rollout: int = 0
+    outcome: Outcome
+    reward: float | None = None
+    attempts: int = 1
+    ttfc_s: float | None = None
+    duration_s: float = 0.0
+    error_kind: str | None = None
+    error: str | None = None
+    policy: str | None = None
+    sandbox_id: str | None = None
+
+
+class TTFCStats(BaseModel):
+    """Time-to-first-command statistics, in seconds (``max`` is what stalls a synchronous batch)."""
+
+    n: int = 0
+    mean_s: float | None = None
+    p50_s: float | None = None
+    p95_s: float | None = None
+    p99_s: float | None = None
+    max_s: float | None = None
+
+    @classmethod
+    def from_samples(cls, samples: list[float]) -> TTFCStats:
+        """Compute the statistics of ``samples`` (seconds); empty input gives ``n=0``."""
+        if not samples:
+            return cls()
+        if len(samples) == 1:
+            q = [samples[0]] * 99
+        else:
+            q = statistics.quantiles(samples, n=100, method="inclusive")
+        return cls(n=len(samples), mean_s=statistics.fmean(samples), p50_s=q[49], p95_s=q[94],
+                   p99_s=q[98], max_s=max(samples))
+
+
+class PoolCounters(BaseModel):
+    """Counters a pool keeps over its life.
+
+    Attributes:
+        claims: Claims served.
+        warm_hits: Claims served by a sandbox that was already idle.
+        created: Sandboxes started.
+        create_failures: Sandbox starts that failed.
+        deleted: Sandboxes deleted.
+        evicted: Idle sandboxes deleted to make room for another image.
+        resets: In-place resets that passed verification.
+        quarantines: Sandboxes that failed reset verification and were removed.
+        lost: Sandboxes found dead while idle.
+        infra_errors: Infra errors seen by leases and creations, by ``SandpoolError.kind``.
+        quarantine_reasons: Last reasons for quarantine (bounded list).
+    """
+
+    claims: int = 0
+    warm_hits: int = 0
+    created: int = 0
+    create_failures: int = 0
+    deleted: int = 0
+    evicted: int = 0
+    resets: int = 0
+    quarantines: int = 0
+    lost: int = 0
+    infra_errors: dict[str, int] = Field(default_factory=dict)
+    quarantine_reasons: list[str] = Field(default_factory=list)
+
+    def infra_error(self, kind: str) -> None:
+        """Count one infra error of ``kind``."""
+        self.infra_errors[kind] = self.infra_errors.get(kind, 0) + 1
+
+
+class Workload(BaseModel):
+    """What a run was asked to do."""
+
+    tasks: int
+    images: int
+    rollouts: int
+    concurrency: int
+    backend: str
+    strategy: str
+    policies: list[str] = Field(default_factory=list)
+
+
+class RewardSummary(BaseModel):
+    """Reward over scored rollouts (``completed`` and ``task_failed``; never ``infra_failed``)."""
+
+    scored: int = 0
+    mean: float | None = None
+    resolved: int = 0
+    by_policy: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+    @classmethod
+    def from_results(cls, results: list[RolloutResult]) -> RewardSummary:
+        """Summarise the rewards of ``results``; infra failures are excluded by construction."""
+        scored = [r for r in results if r.outcome is not Outcome.INFRA_FAILED and r.reward is not None]
+        by: dict[str, list[float]] = {}
+        for r in scored:
+            by.setdefault(r.policy or "-", []).append(r.reward or 0.0)
+        return cls(
+            scored=len(scored),
+            mean=statistics.fmean([r.reward or 0.0 for r in scored]) if scored else None,
+            resolved=sum(1 for r in scored if r.reward == 1.0),
+            by_policy={k: {"n": len(v), "mean": statistics.fmean(v), "resolved": sum(x == 1.0 for x in v)}
+                       for k, v in sorted(by.items())},
+        )
+
+
+class RejectedTask(BaseModel):
+    """A task that was not run because its input was wrong (kept and reported, not dropped)."""
+
+    task_id: str | None
+    row: int | None = None
+    reason: str
+
+
+class Report(BaseModel):
+    """The report every run and benchmark writes, as text and as JSON with the same fields."""
+
+    workload: Workload
+    ttfc: TTFCStats
+    sandboxes_created: int
+    api_writes: int
+    resets: int
+    quarantines: int
+    failures: dict[str, int]
+    infra_errors_by_kind: dict[str, int]
+    reward: RewardSummary
+    wall_time_s: float
+    pool: PoolCounters
+    rejected: list[RejectedTask] = Field(default_factory=list)
+    rollouts: list[RolloutResult] = Field(default_factory=list)
+
+    def render_text(self) -> str:
+        """Render the report as aligned plain text (the same fields as the JSON)."""
+        w, t = self.workload, self.ttfc
+
+        def ms(x: float | None) -> str:
+            return "-" if x is None else f"{x * 1000:.1f} ms"
+
+        lines = [
+            "sandpool report",
+            f"  workload     {w.tasks} tasks, {w.images} images, {w.rollouts} rollouts, "
+            f"concurrency {w.concurrency}, backend {w.backend}, strategy {w.strategy}"
+            + (f", policies {','.join(w.policies)}" if w.policies else ""),
+            f"  TTFC         n={t.n} mean {ms(t.mean_s)}  p50 {ms(t.p50_s)}  p95 {ms(t.p95_s)}  "
+            f"p99 {ms(t.p99_s)}  max {ms(t.max_s)}",
+            f"  sandboxes    created {self.sandboxes_created}, warm hits {self.pool.warm_hits}/"
+            f"{self.pool.claims} claims, evicted {self.pool.evicted}, lost {self.pool.lost}",
+            f"  k8s writes   {self.api_writes}",
+            f"  resets       {self.resets} ok, {self.quarantines} quarantined",
+            "  outcomes     " + ", ".join(f"{k} {v}" for k, v in self.failures.items()),
+            "  infra errors " + (", ".join(f"{k} {v}" for k, v in sorted(self.infra_errors_by_kind.items())) or "none"),
+            f"  reward       mean {'-' if self.reward.mean is None else f'{self.reward.mean:.3f}'} over "
+            f"{self.reward.scored} scored, {self.reward.resolved} resolved",
+        ]
+        for pol, s in self.reward.by_policy.items():
+            lines.append(f"    {pol:<10} n={int(s['n'])} mean {s['mean']:.3f} resolved {int(s['resolved'])}")
+        if self.rejected:
+            lines.append(f"  rejected     {len(self.rejected)} tasks (input errors):")
+            lines += [f"    row {r.row}: {r.task_id}: {r.reason}" for r in self.rejected[:10]]
+        lines.append(f"  wall time    {self.wall_time_s:.1f} s")
+        return "\n".join(lines)
+
+    def write(self, directory: Path | str, stem: str = "report") -> tuple[Path, Path]:
+        """Write ``<stem>.json`` and ``<stem>.txt`` into ``directory``; return both paths."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        js, txt = d / f"{stem}.json", d / f"{stem}.txt"
+        js.write_text(self.model_dump_json(indent=2))
+        txt.write_text(self.render_text() + "\n")
+        return js, txt

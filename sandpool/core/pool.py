@@ -1,0 +1,626 @@
+"""The asyncio sandbox pool: warm pools per image, millisecond claims, in-place reuse.
+
+State changes happen in one synchronous function, :meth:`SandboxPool._assign`, which matches
+waiting claims to idle sandboxes and decides what to create or evict; the I/O it decides on
+(create, delete, reset) runs in tasks outside it (the shape of httpcore's connection pool).
+A claim that is cancelled or times out removes its waiter, and hands back a sandbox that was
+assigned to it in the meantime, so no slot leaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+from aiolimiter import AsyncLimiter
+
+from sandpool.core import errors
+from sandpool.core.base import Backend, ExecResult, Sandbox, SandboxState
+from sandpool.core.metrics import (
+    Outcome,
+    PoolCounters,
+    RejectedTask,
+    Report,
+    RewardSummary,
+    RolloutResult,
+    TTFCStats,
+    Workload,
+)
+from sandpool.core.reset import checkout, reset_in_place
+from sandpool.core.strategies import Strategy, get_strategy
+from sandpool.core.task import Task
+
+__all__ = ["Lease", "PoolLimits", "PoolState", "SandboxPool"]
+
+
+@dataclass(frozen=True)
+class PoolLimits:
+    """Limits on what a pool asks of its backend.
+
+    Usage: ``PoolLimits(max_live=16, create_rate=5.0, create_burst=10)``.
+
+    Attributes:
+        max_live: Cap on sandboxes alive at once (creating, idle, leased, resetting).
+            ``None`` takes the strategy's default for the prepared concurrency.
+        create_rate: Sandbox creations per second, sustained (token bucket refill).
+        create_burst: Creations allowed back to back (token bucket size).
+        claim_timeout: Seconds a claim may wait for a sandbox before ``InfraTimeout``.
+        reset_timeout: Seconds an in-place reset (and its verification) may take.
+        create_timeout: Seconds one creation may take before ``SandboxStartError``.
+    """
+
+    max_live: int | None = None
+    create_rate: float = 20.0
+    create_burst: int = 20
+    claim_timeout: float = 300.0
+    reset_timeout: float = 60.0
+    create_timeout: float = 120.0
+
+
+class PoolState(enum.Enum):
+    """Lifecycle of a pool."""
+
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass(eq=False)
+class _Entry:
+    sandbox: Sandbox
+    image: str
+    state: SandboxState = SandboxState.IDLE
+    head: str | None = None  # commit the workdir is known to be at, pristine
+    uses: int = 0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    image: str
+    commit: str
+    future: asyncio.Future[_Entry]
+
+
+@dataclass
+class _Image:
+    target: int = 0
+    idle: deque[_Entry] = field(default_factory=deque)
+    waiters: deque[_Waiter] = field(default_factory=deque)
+    creating: int = 0
+    leased: int = 0
+    resetting: int = 0
+
+    @property
+    def live(self) -> int:
+        return len(self.idle) + self.creating + self.leased + self.resetting
+
+
+class Lease:
+    """A claimed sandbox, held by one rollout until released.
+
+    It forwards :meth:`exec`, :meth:`read_file` and :meth:`write_file` to the sandbox and
+    measures TTFC: from the claim request to the result of the first command.
+
+    Attributes:
+        task: The task the sandbox was claimed for.
+        sandbox: The underlying sandbox.
+        ttfc_s: Time to first command in seconds, once the first exec has returned.
+        broken: Set when an infra error was seen; the sandbox is then deleted, not reused.
+    """
+
+    def __init__(self, pool: SandboxPool, entry: _Entry, task: Task, t_claim: float) -> None:
+        self._pool = pool
+        self._entry = entry
+        self.task = task
+        self.sandbox = entry.sandbox
+        self._t_claim = t_claim
+        self.ttfc_s: float | None = None
+        self.broken: errors.InfraError | None = None
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.sandbox.id} task={self.task.instance_id} ttfc={self.ttfc_s}>"
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self.sandbox.id
+
+    @property
+    def workdir(self) -> str:
+        """The task repo's path inside the sandbox."""
+        return self.sandbox.workdir
+
+    def _check(self) -> None:
+        if self.released:
+            raise errors.PoolClosed(f"lease on {self.sandbox.id} was released; claim again")
+
+    async def _guard(self, coro):  # type: ignore[no-untyped-def]
+        self._check()
+        try:
+            return await coro
+        except errors.InfraError as exc:
+            self.broken = exc
+            self._pool.counters.infra_error(exc.kind)
+            raise
+
+    async def exec(self, cmd: str | list[str], **kwargs: object) -> ExecResult:
+        """Run a command; see :meth:`sandpool.core.base.Sandbox.exec`. The first call sets TTFC."""
+        res = await self._guard(self.sandbox.exec(cmd, **kwargs))  # type: ignore[arg-type]
+        if self.ttfc_s is None:
+            self.ttfc_s = time.monotonic() - self._t_claim
+            self._pool._ttfc.append(self.ttfc_s)
+        return res
+
+    async def read_file(self, path: str) -> bytes:
+        """Read a file; see :meth:`sandpool.core.base.Sandbox.read_file`."""
+        return await self._guard(self.sandbox.read_file(path))
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write a file; see :meth:`sandpool.core.base.Sandbox.write_file`."""
+        await self._guard(self.sandbox.write_file(path, data, mode=mode))
+
+    async def release(self, *, reusable: bool = True) -> None:
+        """Give the sandbox back (see :meth:`SandboxPool.release`)."""
+        await self._pool.release(self, reusable=reusable)
+
+
+class SandboxPool:
+    """Warm pools of sandboxes per image over one backend.
+
+    Usage::
+
+        async with SandboxPool(LocalBackend(), strategy="reuse") as pool:
+            await pool.prepare(tasks, concurrency=8)       # hydrate images, fill warm pools
+            async with pool.claim(task) as sandbox:
+                result = await sandbox.exec("git status", timeout=30)
+
+    Args:
+        backend: Where sandboxes run.
+        strategy: ``"cold"``, ``"warm"``, ``"reuse"`` or a :class:`Strategy`.
+        limits: Creation rate, live cap and timeouts.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        strategy: str | Strategy = "reuse",
+        limits: PoolLimits = PoolLimits(),
+    ) -> None:
+        self.backend = backend
+        self.strategy = get_strategy(strategy)
+        self.limits = limits
+        self.state = PoolState.UNOPENED
+        self.counters = PoolCounters()
+        self._images: dict[str, _Image] = {}
+        self._hydrated: set[str] = set()
+        self._max_live = limits.max_live or 8
+        self._limiter = AsyncLimiter(limits.create_burst, limits.create_burst / limits.create_rate)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._leases: set[Lease] = set()
+        self._ttfc: list[float] = []
+        self._changed = asyncio.Event()
+
+    def __repr__(self) -> str:
+        idle = sum(len(i.idle) for i in self._images.values())
+        leased = sum(i.leased for i in self._images.values())
+        creating = sum(i.creating for i in self._images.values())
+        resetting = sum(i.resetting for i in self._images.values())
+        waiting = sum(len(i.waiters) for i in self._images.values())
+        return (f"<SandboxPool [{self.state.value}] {self.strategy.name} on {self.backend.name}: "
+                f"idle={idle} leased={leased} creating={creating} resetting={resetting} "
+                f"waiting={waiting} max_live={self._max_live}>")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> SandboxPool:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Run the backend's preflight and open the pool.
+
+        Raises:
+            BackendUnavailable: The backend cannot run sandboxes here.
+            PoolClosed: The pool was already closed.
+        """
+        if self.state is PoolState.CLOSED:
+            raise errors.PoolClosed("this pool was closed; make a new SandboxPool")
+        if self.state is PoolState.OPEN:
+            return
+        await self.backend.preflight()
+        self.state = PoolState.OPEN
+
+    async def aclose(self) -> None:
+        """Delete every sandbox (idle, leased or in flight) and close the backend. Idempotent."""
+        if self.state is PoolState.CLOSED:
+            return
+        self.state = PoolState.CLOSED
+        for img in self._images.values():
+            for w in img.waiters:
+                if not w.future.done():
+                    w.future.set_exception(errors.PoolClosed("pool closed while waiting for a sandbox"))
+            img.waiters.clear()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        doomed = [e.sandbox for img in self._images.values() for e in img.idle]
+        doomed += [lease.sandbox for lease in self._leases]
+        for lease in self._leases:
+            lease.released = True
+        self._leases.clear()
+        await asyncio.gather(*(self.backend.delete(sb) for sb in doomed), return_exceptions=True)
+        self.counters.deleted += len(doomed)
+        self._images.clear()
+        await self.backend.aclose()
+
+    def _check_open(self) -> None:
+        if self.state is not PoolState.OPEN:
+            raise errors.PoolClosed(
+                f"pool is {self.state.value}; use `async with SandboxPool(...)` or await pool.open()"
+            )
+
+    # -- planning --------------------------------------------------------------------------
+
+    async def hydrate(self, image: str) -> None:
+        """Make ``image`` present for the backend once (pull or verify a local build).
+
+        Raises:
+            ImageNotFound: The image does not exist.
+        """
+        if image not in self._hydrated:
+            await self.backend.hydrate(image)
+            self._hydrated.add(image)
+
+    async def prepare(
+        self,
+        tasks: Iterable[Task],
+        concurrency: int,
+        *,
+        rollouts_per_task: int = 1,
+        wait: bool = True,
+    ) -> dict[str, int]:
+        """Hydrate the tasks' images and fill warm pools for ``concurrency`` rollouts at once.
+
+        Args:
+            tasks: The tasks about to run.
+            concurrency: How many rollouts will run at once.
+            rollouts_per_task: Rollouts each task will get (weights the per-image split).
+            wait: Return only once every warm pool reached its target (or creation failed).
+
+        Returns:
+            Slots per image from the strategy's plan.
+
+        Raises:
+            ImageNotFound: An image is missing (nothing was started).
+            PoolClosed: The pool is not open.
+        """
+        self._check_open()
+        demand: dict[str, int] = {}
+        for t in tasks:
+            demand[t.image] = demand.get(t.image, 0) + rollouts_per_task
+        for image in demand:
+            await self.hydrate(image)
+        slots = self.strategy.plan(demand, concurrency)
+        if self.limits.max_live is None:
+            self._max_live = max(self.strategy.max_live(concurrency), len(slots))
+        for image, n in slots.items():
+            self._images.setdefault(image, _Image()).target = n
+        self._assign()
+        if wait:
+            await self.wait_warm()
+        return slots
+
+    async def wait_warm(self, timeout: float | None = None) -> None:
+        """Wait until no creation is in flight and warm targets are met (or cannot be)."""
+        async with asyncio.timeout(timeout):
+            while any(i.creating for i in self._images.values()):
+                self._changed.clear()
+                await self._changed.wait()
+
+    # -- claim / release -------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def claim(self, task: Task, *, timeout: float | None = None) -> AsyncIterator[Lease]:
+        """Claim a sandbox for one rollout of ``task``; release it on exit.
+
+        An infra error inside the block marks the sandbox broken, so it is deleted rather than
+        reused. Yields a :class:`Lease`. Raises as :meth:`acquire`.
+        """
+        lease = await self.acquire(task, timeout=timeout)
+        try:
+            yield lease
+        except errors.InfraError:
+            await self.release(lease, reusable=False)
+            raise
+        except BaseException:
+            await self.release(lease)
+            raise
+        else:
+            await self.release(lease)
+
+    async def acquire(self, task: Task, *, timeout: float | None = None) -> Lease:
+        """Claim a sandbox of ``task.image`` at ``task.base_commit``.
+
+        A warm hit is served at once; a miss waits for a creation (rate-limited) or a reset.
+
+        Args:
+            task: The task to run.
+            timeout: Seconds to wait (default ``limits.claim_timeout``).
+
+        Returns:
+            A :class:`Lease`; release it with :meth:`release`.
+
+        Raises:
+            InfraTimeout: No sandbox within ``timeout``.
+            SandboxStartError: Creating a sandbox for this claim failed.
+            ImageNotFound: Unknown image.
+            InputError: ``base_commit`` is not in the image.
+            PoolClosed: The pool is not open.
+        """
+        self._check_open()
+        t0 = time.monotonic()
+        await self.hydrate(task.image)
+        deadline = t0 + (timeout if timeout is not None else self.limits.claim_timeout)
+        while True:
+            entry = await self._wait_for_entry(task, deadline)
+            if not entry.sandbox.alive():  # died while idle: not this rollout's failure
+                self.counters.lost += 1
+                self._drop(entry)
+                continue
+            lease = Lease(self, entry, task, t0)
+            self._leases.add(lease)
+            if entry.head != task.base_commit:
+                try:
+                    await checkout(entry.sandbox, task.base_commit, timeout=self.limits.reset_timeout)
+                except errors.InfraError as exc:
+                    self.counters.infra_error(exc.kind)
+                    await self.release(lease, reusable=False)
+                    raise
+                except BaseException:
+                    await self.release(lease, reusable=False)
+                    raise
+                entry.head = task.base_commit
+            entry.uses += 1
+            self.counters.claims += 1
+            return lease
+
+    async def _wait_for_entry(self, task: Task, deadline: float) -> _Entry:
+        img = self._images.setdefault(task.image, _Image())
+        fut: asyncio.Future[_Entry] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(task.image, task.base_commit, fut)
+        img.waiters.append(waiter)
+        self._assign()
+        if fut.done() and not fut.cancelled() and fut.exception() is None:
+            self.counters.warm_hits += 1
+        try:
+            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+        except BaseException as exc:
+            with contextlib.suppress(ValueError):
+                img.waiters.remove(waiter)
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._to_idle(fut.result())  # assigned just as we gave up: hand it back
+            elif not fut.done():
+                fut.cancel()
+            self._assign()
+            if isinstance(exc, TimeoutError):
+                self.counters.infra_error(errors.InfraTimeout.kind)
+                raise errors.InfraTimeout(
+                    f"no sandbox of {task.image!r} within the claim timeout; raise "
+                    "PoolLimits.claim_timeout or max_live"
+                ) from None
+            raise
+
+    async def release(self, lease: Lease, *, reusable: bool = True) -> None:
+        """Return a leased sandbox: reset it in place for reuse, or delete it.
+
+        With a reusing strategy and a healthy sandbox the reset runs in the background, off
+        the next claim's path; a sandbox failing verification is quarantined (deleted and
+        counted). Releasing twice is a no-op.
+        """
+        if lease.released:
+            return
+        lease.released = True
+        self._leases.discard(lease)
+        entry = lease._entry
+        img = self._images.get(entry.image)
+        if img is None or self.state is not PoolState.OPEN:
+            await self._delete(entry.sandbox)
+            return
+        img.leased -= 1
+        keep = (reusable and lease.broken is None and self.strategy.reuse
+                and entry.sandbox.alive())
+        if not keep:
+            self._spawn(self._delete(entry.sandbox))
+            self._assign()
+            return
+        entry.state = SandboxState.RESETTING
+        img.resetting += 1
+        self._spawn(self._reset(entry, lease.task.base_commit))
+
+    # -- the one place where state changes -------------------------------------------------
+
+    def _assign(self) -> None:
+        if self.state is not PoolState.OPEN:
+            return
+        # 1. Serve waiters from idle sandboxes, preferring one already at the right commit.
+        for img in self._images.values():
+            while img.waiters and img.idle:
+                w = img.waiters.popleft()
+                if w.future.done():
+                    continue
+                entry = next((e for e in img.idle if e.head == w.commit), img.idle[0])
+                img.idle.remove(entry)
+                entry.state = SandboxState.LEASED
+                img.leased += 1
+                w.future.set_result(entry)
+            while img.waiters and img.waiters[0].future.done():
+                img.waiters.popleft()
+        # 2. Start sandboxes: first for waiting claims, then to keep warm pools at target.
+        live = sum(i.live for i in self._images.values())
+        for name, img in self._images.items():
+            pending = img.creating + (img.resetting if self.strategy.reuse else 0)
+            for _ in range(max(0, len(img.waiters) - pending)):
+                if live >= self._max_live and not self._evict_one(exclude=name):
+                    break
+                self._start_create(name, img)
+                live += 1
+        for name, img in self._images.items():
+            want = self.strategy.deficit(target=img.target, idle=len(img.idle), creating=img.creating,
+                                         leased=img.leased, resetting=img.resetting)
+            for _ in range(want):
+                if live >= self._max_live:
+                    break
+                self._start_create(name, img)
+                live += 1
+        self._changed.set()
+
+    def _evict_one(self, exclude: str) -> bool:
+        # An idle sandbox of an image nobody waits for makes room for one that is needed.
+        for name, img in self._images.items():
+            if name != exclude and img.idle and not img.waiters:
+                entry = img.idle.pop()
+                entry.state = SandboxState.DELETED
+                self.counters.evicted += 1
+                self._spawn(self._delete(entry.sandbox))
+                return True
+        return False
+
+    def _start_create(self, name: str, img: _Image) -> None:
+        img.creating += 1
+        self._spawn(self._create(name))
+
+    def _to_idle(self, entry: _Entry) -> None:
+        img = self._images[entry.image]
+        if entry.state is SandboxState.LEASED:
+            img.leased -= 1
+        entry.state = SandboxState.IDLE
+        img.idle.appendleft(entry)
+
+    def _drop(self, entry: _Entry) -> None:
+        img = self._images[entry.image]
+        if entry.state is SandboxState.LEASED:
+            img.leased -= 1
+        entry.state = SandboxState.DELETED
+        self._spawn(self._delete(entry.sandbox))
+        self._assign()
+
+    # -- I/O, outside _assign ----------------------------------------------------------------
+
+    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _create(self, name: str) -> None:
+        img = self._images[name]
+        try:
+            async with self._limiter:
+                sandbox = await asyncio.wait_for(self.backend.create(name), self.limits.create_timeout)
+        except TimeoutError:
+            self._create_failed(name, errors.SandboxStartError(
+                f"creating a sandbox of {name!r} took over {self.limits.create_timeout:.0f} s"))
+            return
+        except errors.SandpoolError as exc:
+            self._create_failed(name, exc)
+            return
+        img.creating -= 1
+        self.counters.created += 1
+        if self.state is not PoolState.OPEN:
+            await self._delete(sandbox)
+            return
+        img.idle.append(_Entry(sandbox, name))
+        self._assign()
+
+    def _create_failed(self, name: str, exc: errors.SandpoolError) -> None:
+        img = self._images[name]
+        img.creating -= 1
+        self.counters.create_failures += 1
+        if isinstance(exc, errors.InfraError):
+            self.counters.infra_error(exc.kind)
+        # The failure belongs to a waiting claim, if any; otherwise it only shows in counters.
+        # A warm fill that fails is not retried until demand asks again.
+        while img.waiters:
+            w = img.waiters.popleft()
+            if not w.future.done():
+                w.future.set_exception(exc)
+                break
+        if not isinstance(exc, errors.InfraError):  # bad image: every waiter gets the error
+            while img.waiters:
+                w = img.waiters.popleft()
+                if not w.future.done():
+                    w.future.set_exception(exc)
+        img.target = min(img.target, img.live)
+        self._changed.set()
+
+    async def _reset(self, entry: _Entry, commit: str) -> None:
+        img = self._images[entry.image]
+        try:
+            outcome = await asyncio.wait_for(
+                reset_in_place(entry.sandbox, commit, timeout=self.limits.reset_timeout),
+                self.limits.reset_timeout * 2,
+            )
+            problems = list(outcome.problems)
+        except (errors.SandpoolError, TimeoutError) as exc:
+            problems = [f"reset failed: {type(exc).__name__}: {exc}"]
+        img.resetting -= 1
+        if problems:
+            self.counters.quarantines += 1
+            self.counters.quarantine_reasons = (self.counters.quarantine_reasons
+                                                + [f"{entry.sandbox.id}: {'; '.join(problems)}"])[-20:]
+            entry.state = SandboxState.DELETED
+            self._spawn(self._delete(entry.sandbox))
+        else:
+            self.counters.resets += 1
+            entry.head = commit
+            entry.state = SandboxState.IDLE
+            img.idle.appendleft(entry)
+        self._assign()
+
+    async def _delete(self, sandbox: Sandbox) -> None:
+        try:
+            await self.backend.delete(sandbox)
+        finally:
+            self.counters.deleted += 1
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    @property
+    def ttfc_samples(self) -> list[float]:
+        """TTFC of every lease that ran a command, in seconds, in order."""
+        return list(self._ttfc)
+
+    def report(
+        self,
+        workload: Workload,
+        results: list[RolloutResult],
+        wall_time_s: float,
+        rejected: list[RejectedTask] | None = None,
+    ) -> Report:
+        """Build the run :class:`Report` from this pool's counters and ``results``."""
+        failures = {o.value: 0 for o in Outcome}
+        for r in results:
+            failures[r.outcome.value] += 1
+        return Report(
+            workload=workload,
+            ttfc=TTFCStats.from_samples(self._ttfc),
+            sandboxes_created=self.counters.created,
+            api_writes=self.backend.api_writes,
+            resets=self.counters.resets,
+            quarantines=self.counters.quarantines,
+            failures=failures,
+            infra_errors_by_kind=dict(self.counters.infra_errors),
+            reward=RewardSummary.from_results(results),
+            wall_time_s=wall_time_s,
+            pool=self.counters.model_copy(deep=True),
+            rejected=rejected or [],
+            rollouts=results,
+        )

@@ -1,0 +1,1 @@
+"""Environments built on the core pool: tasks, task packs, grading, policies, the runner."""

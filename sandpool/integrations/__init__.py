@@ -1,0 +1,1 @@
+"""Thin adapters to gymnasium, NeMo Gym and OpenHands; each imports its library lazily."""
