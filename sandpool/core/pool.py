@@ -141,7 +141,9 @@ class Lease:
             raise errors.PoolClosed(f"lease on {self.sandbox.id} was released; claim again")
 
     async def _guard(self, coro):  # type: ignore[no-untyped-def]
-        self._check()
+        if self.released:
+            coro.close()  # never started; closing it avoids a "never awaited" warning
+            self._check()
         try:
             return await coro
         except errors.InfraError as exc:

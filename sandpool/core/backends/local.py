@@ -383,6 +383,8 @@ class LocalBackend(Backend):
             "--setenv", "GIT_CONFIG_NOSYSTEM", "1",
             "--setenv", "GIT_AUTHOR_NAME", "sandbox", "--setenv", "GIT_AUTHOR_EMAIL", "sandbox@localhost",
             "--setenv", "GIT_COMMITTER_NAME", "sandbox", "--setenv", "GIT_COMMITTER_EMAIL", "sandbox@localhost",
+            # The root is bubblewrap's scratch tmpfs: make it read-only once mounts are in place.
+            "--remount-ro", "/",
             "--chdir", img.workdir,
             f"{venv_bin}/python", "-I", "-u", _AGENT_IN_SANDBOX,
         ]

@@ -1,0 +1,89 @@
+"""Shared fixtures: a tiny real image for fast sandbox tests, and the local backend."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandpool.core.backends.local import LocalBackend, image_dir
+from sandpool.core.paths import sandpool_home
+from sandpool.core.task import Task
+
+CALC_IMAGE = "sandpool.test/calc:2"
+_GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+            "GIT_COMMITTER_EMAIL": "t@t", "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
+            "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z"}
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env={**os.environ, **_GIT_ENV}).stdout.strip()
+
+
+def _build_calc_image(root: Path) -> dict[str, str]:
+    """A two-commit repo (clean, then a bug) with a venv holding pytest; built once, cached."""
+    d = image_dir(root, CALC_IMAGE)
+    meta = d / "commits.json"
+    if meta.exists():
+        return json.loads(meta.read_text())
+    subprocess.run(["rm", "-rf", str(d)], check=True)
+    repo, venv = d / "repo", d / "venv"
+    repo.mkdir(parents=True)
+    _git(repo, "init", "-q", "-b", "main")
+    (repo / "calc.py").write_text("def add(a, b):\n    return a + b\n")
+    (repo / "test_calc.py").write_text("from calc import add\n\n\ndef test_add():\n    assert add(1, 2) == 3\n\n\n"
+                                       "def test_zero():\n    assert add(0, 0) == 0\n")
+    (repo / ".gitignore").write_text("__pycache__/\n*.log\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "clean")
+    clean = _git(repo, "rev-parse", "HEAD")
+    (repo / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    _git(repo, "commit", "-qam", "bug")
+    buggy = _git(repo, "rev-parse", "HEAD")
+    _git(repo, "checkout", "-q", "main")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "pytest"], check=True)
+    (d / "image.json").write_text(json.dumps({
+        "name": CALC_IMAGE, "python_prefix": sys.base_prefix, "venv": str(venv), "repo": str(repo),
+        "workdir": "/testbed"}))
+    commits = {"clean": clean, "buggy": buggy}
+    meta.write_text(json.dumps(commits))
+    return commits
+
+
+@pytest.fixture(scope="session")
+def test_images_root() -> Path:
+    """Root of small images built for tests (never under /tmp, which sandboxes make private)."""
+    root = sandpool_home() / "test-images"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def calc_commits(test_images_root: Path) -> dict[str, str]:
+    """Commits of the calc test image: ``clean`` and ``buggy`` (add() subtracts)."""
+    return _build_calc_image(test_images_root)
+
+
+@pytest.fixture(scope="session")
+def calc_task(calc_commits: dict[str, str]) -> Task:
+    """A real task on the calc image: the buggy commit, with the gold patch that fixes it."""
+    patch = ("diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n"
+             " def add(a, b):\n-    return a - b\n+    return a + b\n")
+    return Task(instance_id="calc__calc-1", repo="sandpool/calc", base_commit=calc_commits["buggy"],
+                image=CALC_IMAGE, problem_statement="add() returns the wrong value.", patch=patch,
+                FAIL_TO_PASS=["test_calc.py::test_add"], PASS_TO_PASS=["test_calc.py::test_zero"])
+
+
+@pytest.fixture
+async def local_backend(test_images_root: Path, calc_commits: dict[str, str]):
+    """A real bubblewrap backend over the test images; closed (every sandbox deleted) after."""
+    backend = LocalBackend(test_images_root)
+    await backend.preflight()
+    yield backend
+    await backend.aclose()

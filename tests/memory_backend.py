@@ -1,0 +1,90 @@
+"""A scriptable in-memory backend for unit tests of pool logic and of faults real backends
+cannot produce on demand. Every behaviour tested here is also tested on the local backend."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+
+from sandpool.core import errors
+from sandpool.core.base import Backend, ExecResult, Sandbox
+
+
+class MemorySandbox(Sandbox):
+    """Remembers the commit it was checked out at and answers reset/verify commands."""
+
+    def __init__(self, sid: str, image: str) -> None:
+        self.id, self.image, self.workdir = sid, image, "/testbed"
+        self.head = "0" * 40
+        self.dead = False
+        self.dirty = False
+        self.fail_next_exec: errors.SandpoolError | None = None
+        self.commands: list[str] = []
+
+    def alive(self) -> bool:
+        return not self.dead
+
+    async def exec(self, cmd, *, timeout=60.0, cwd=None, env=None, max_output=1 << 20) -> ExecResult:
+        if self.dead:
+            raise errors.SandboxDied(f"{self.id} is dead")
+        if self.fail_next_exec is not None:
+            exc, self.fail_next_exec = self.fail_next_exec, None
+            raise exc
+        self.commands.append(cmd)
+        if m := re.search(r"checkout -q -f --detach '?([0-9a-f]{40})", cmd):
+            self.head = m.group(1)
+            self.dirty = False
+        if "rev-parse HEAD && echo" in cmd:  # verification
+            status = " M calc.py\n" if self.dirty else ""
+            return ExecResult(0, f"{self.head}\n@@sandpool-verify@@\n{status}@@sandpool-verify@@\n".encode())
+        return ExecResult(0, b"ok\n")
+
+    async def read_file(self, path: str) -> bytes:
+        return b""
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        self.dirty = True
+
+    async def processes(self) -> list[str]:
+        return []
+
+    async def kill_strays(self) -> int:
+        return 0
+
+
+class MemoryBackend(Backend):
+    """Creates :class:`MemorySandbox` objects after ``create_delay`` seconds.
+
+    Attributes:
+        fail_creates: Number of upcoming creations that raise ``SandboxStartError``.
+        created_at: Monotonic times of every creation, for rate-limit tests.
+    """
+
+    name = "memory"
+
+    def __init__(self, images: set[str] | None = None, create_delay: float = 0.0) -> None:
+        self.images = images
+        self.create_delay = create_delay
+        self.fail_creates = 0
+        self.created_at: list[float] = []
+        self.live: dict[str, MemorySandbox] = {}
+        self._ids = itertools.count(1)
+
+    async def hydrate(self, image: str) -> None:
+        if self.images is not None and image not in self.images:
+            raise errors.ImageNotFound(f"image {image!r} is not known")
+
+    async def create(self, image: str) -> MemorySandbox:
+        await self.hydrate(image)
+        self.created_at.append(asyncio.get_running_loop().time())
+        await asyncio.sleep(self.create_delay)
+        if self.fail_creates:
+            self.fail_creates -= 1
+            raise errors.SandboxStartError("scripted start failure")
+        sb = MemorySandbox(f"mem-{next(self._ids)}", image)
+        self.live[sb.id] = sb
+        return sb
+
+    async def delete(self, sandbox: Sandbox) -> None:
+        self.live.pop(sandbox.id, None)

@@ -1,0 +1,210 @@
+"""Pool logic on the scriptable in-memory backend (each behaviour also runs on bubblewrap in
+test_local_backend.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import sandpool.core as core
+from sandpool.core import (
+    Outcome,
+    PoolClosed,
+    PoolLimits,
+    SandboxPool,
+    Task,
+    errors,
+    get_strategy,
+    run_rollout,
+)
+
+from .memory_backend import MemoryBackend
+
+
+def task(i: int = 0, image: str = "img-a") -> Task:
+    return Task(instance_id=f"t-{image}-{i}", repo="r", base_commit=f"{i:040x}", image=image,
+                problem_statement="p")
+
+
+def test_public_names_match_all():
+    exported = {n for n in dir(core) if not n.startswith("_")} - {
+        "base", "errors", "metrics", "pool", "reset", "rollout", "strategies", "task", "backends", "paths"}
+    assert exported == set(core.__all__)
+
+
+def test_plan_splits_concurrency_by_demand():
+    plan = get_strategy("reuse").plan({"a": 12, "b": 12, "c": 8}, 8)
+    assert sum(plan.values()) == 8 and plan["a"] >= plan["c"] >= 1
+    assert get_strategy("warm").plan({"a": 1, "b": 1, "c": 1}, 2) == {"a": 1, "b": 1, "c": 1}
+
+
+def test_unknown_strategy_names_the_choices():
+    with pytest.raises(errors.ConfigError, match="cold"):
+        get_strategy("lukewarm")
+
+
+async def test_warm_claim_is_a_hit_and_reuse_keeps_the_sandbox():
+    backend = MemoryBackend()
+    async with SandboxPool(backend, "reuse") as pool:
+        await pool.prepare([task(0)], concurrency=1)
+        assert len(backend.live) == 1
+        for i in range(3):
+            async with pool.claim(task(i)) as lease:
+                await lease.exec("echo hi")
+            await asyncio.sleep(0.01)
+        assert pool.counters.created == 1
+        assert pool.counters.resets == 3
+        assert pool.counters.warm_hits == 3
+
+
+async def test_cold_creates_per_rollout_and_deletes_after():
+    backend = MemoryBackend()
+    async with SandboxPool(backend, "cold") as pool:
+        await pool.prepare([task(0)], concurrency=1)
+        assert backend.live == {}
+        for i in range(3):
+            async with pool.claim(task(i)) as lease:
+                await lease.exec("true")
+            await asyncio.sleep(0.01)
+        assert pool.counters.created == 3 and backend.live == {}
+
+
+async def test_live_cap_is_never_exceeded():
+    backend = MemoryBackend(create_delay=0.01)
+    peak = 0
+
+    async def one(i: int) -> None:
+        nonlocal peak
+        async with pool.claim(task(i, image=f"img-{i % 4}")) as lease:
+            peak = max(peak, len(backend.live))
+            await lease.exec("true")
+            await asyncio.sleep(0.005)
+
+    async with SandboxPool(backend, "warm", PoolLimits(max_live=3)) as pool:
+        await asyncio.gather(*(one(i) for i in range(20)))
+    assert peak <= 3
+
+
+async def test_creation_rate_is_limited():
+    backend = MemoryBackend()
+    limits = PoolLimits(create_rate=20.0, create_burst=2, max_live=10)
+    async with SandboxPool(backend, "cold", limits) as pool:
+        leases = await asyncio.gather(*(pool.acquire(task(i)) for i in range(6)))
+        for lease in leases:
+            await pool.release(lease)
+    t = backend.created_at
+    # 2 at once (the burst), then 4 more at 20/s: at least ~0.15 s after the first.
+    assert t[-1] - t[0] >= 0.15
+
+
+async def test_cancelled_claim_leaks_no_slot():
+    backend = MemoryBackend(create_delay=0.05)
+    async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
+        waiter = asyncio.create_task(pool.acquire(task(0)))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        await asyncio.sleep(0.1)  # the creation finishes and lands idle
+        lease = await asyncio.wait_for(pool.acquire(task(0)), 1.0)
+        assert lease.sandbox.id == "mem-1"
+        await pool.release(lease)
+
+
+async def test_claim_timeout_is_an_infra_timeout():
+    backend = MemoryBackend(create_delay=5)
+    async with SandboxPool(backend, "cold") as pool:
+        with pytest.raises(errors.InfraTimeout):
+            await pool.acquire(task(0), timeout=0.05)
+        assert pool.counters.infra_errors["infra_timeout"] == 1
+
+
+async def test_start_failure_is_retried_then_completes():
+    backend = MemoryBackend()
+    backend.fail_creates = 1
+
+    async def episode(lease):
+        await lease.exec("true")
+        return 1.0
+
+    async with SandboxPool(backend, "cold") as pool:
+        result = await run_rollout(pool, task(0), episode, retries=2)
+    assert result.outcome is Outcome.COMPLETED and result.attempts == 2
+    assert pool.counters.infra_errors == {"sandbox_start": 1}
+
+
+async def test_infra_failure_is_never_reward_zero():
+    backend = MemoryBackend()
+
+    async def episode(lease):
+        lease.sandbox.dead = True  # dies mid-rollout, every attempt
+        await lease.exec("pytest")
+        return 0.0
+
+    async with SandboxPool(backend, "reuse") as pool:
+        result = await run_rollout(pool, task(0), episode, retries=2)
+        report = pool.report(core.Workload(tasks=1, images=1, rollouts=1, concurrency=1,
+                                           backend="memory", strategy="reuse"), [result], 0.1)
+    assert result.outcome is Outcome.INFRA_FAILED and result.reward is None and result.attempts == 3
+    assert report.failures["infra_failed"] == 1 and report.infra_errors_by_kind["sandbox_died"] == 3
+    assert report.reward.scored == 0 and report.reward.mean is None
+
+
+async def test_task_error_is_task_failed():
+    async def episode(lease):
+        raise errors.TaskError("policy produced no action")
+
+    async with SandboxPool(MemoryBackend(), "reuse") as pool:
+        result = await run_rollout(pool, task(0), episode)
+    assert result.outcome is Outcome.TASK_FAILED and result.reward == 0.0 and result.attempts == 1
+
+
+async def test_dirty_reset_is_quarantined_not_reused():
+    backend = MemoryBackend()
+    async with SandboxPool(backend, "reuse") as pool:
+        lease = await pool.acquire(task(0))
+        sb = lease.sandbox
+        await lease.write_file("calc.py", b"x")
+        sb.exec_orig = sb.exec
+
+        async def never_clean(cmd, **kw):  # a reset that does not take
+            res = await sb.exec_orig(cmd, **kw)
+            sb.dirty = True
+            return res
+
+        sb.exec = never_clean
+        await pool.release(lease)
+        await asyncio.sleep(0.05)
+        assert pool.counters.quarantines == 1 and sb.id not in backend.live
+        assert "working tree not clean" in pool.counters.quarantine_reasons[0]
+        lease2 = await pool.acquire(task(0))
+        assert lease2.sandbox.id != sb.id
+        await pool.release(lease2)
+
+
+async def test_unknown_image_fails_the_claim_with_input_error():
+    async with SandboxPool(MemoryBackend(images={"img-a"}), "warm") as pool:
+        with pytest.raises(errors.ImageNotFound):
+            await pool.acquire(task(0, image="nope"))
+
+
+async def test_use_after_close_is_precise():
+    pool = SandboxPool(MemoryBackend(), "warm")
+    async with pool:
+        lease = await pool.acquire(task(0))
+    with pytest.raises(PoolClosed):
+        await lease.exec("true")
+    with pytest.raises(PoolClosed):
+        await pool.acquire(task(0))
+    with pytest.raises(PoolClosed):
+        await pool.open()
+
+
+async def test_close_deletes_leased_and_idle_sandboxes():
+    backend = MemoryBackend()
+    async with SandboxPool(backend, "warm") as pool:
+        await pool.prepare([task(0), task(1, "img-b")], concurrency=4)
+        await pool.acquire(task(0))
+        assert backend.live
+    assert backend.live == {}
