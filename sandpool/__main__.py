@@ -1,0 +1,5 @@
+"""python -m sandpool: the CLI."""
+
+from sandpool.cli import main
+
+main()

@@ -1,0 +1,118 @@
+"""The ``sandpool`` command line: ``run`` (the main job), ``build-pack`` and ``gc``."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sandpool.core import errors
+from sandpool.core.base import ResourceLimits
+from sandpool.core.metrics import Outcome, RejectedTask, RolloutResult
+from sandpool.core.paths import sandpool_home
+from sandpool.core.pool import PoolLimits
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Warm pools of isolated sandboxes for SWE-style RL and evaluation.")
+console = Console(stderr=True)
+
+
+def _default_tasks() -> Path:
+    from sandpool.envs.taskpack import build_default_pack
+
+    console.print("[bold]task pack[/]: building or reusing the default pack (first run builds images)")
+    return build_default_pack()
+
+
+@app.command()
+def run(
+    tasks: Annotated[str, typer.Option(help="SWE-bench JSONL file, or 'default' for the built-in pack.")] = "default",
+    rollouts: Annotated[int, typer.Option(help="Rollouts per task (k).")] = 4,
+    limit: Annotated[int, typer.Option(help="Run only the first N tasks (0 = all).")] = 0,
+    policy: Annotated[str, typer.Option(help="Comma-separated policies used round-robin: oracle, noop, chat.")] = "oracle,noop",
+    concurrency: Annotated[int, typer.Option(help="Rollouts at once.")] = 8,
+    strategy: Annotated[str, typer.Option(help="cold, warm or reuse.")] = "reuse",
+    retries: Annotated[int, typer.Option(help="Infra retries per rollout.")] = 2,
+    out: Annotated[Path, typer.Option(help="Directory for report.json, report.txt, rollouts.jsonl.")] = Path("reports/run"),
+    resume: Annotated[bool, typer.Option(help="Continue a run from out/rollouts.jsonl.")] = False,
+    chat_url: Annotated[str, typer.Option(help="OpenAI-compatible endpoint for the chat policy.")] = "",
+    model: Annotated[str, typer.Option(help="Model name for the chat policy.")] = "",
+    network: Annotated[bool, typer.Option(help="Give sandboxes network access.")] = False,
+) -> None:
+    """Run N tasks x k rollouts on the local backend, with a progress bar and a report."""
+    from sandpool.core.backends.local import LocalBackend
+    from sandpool.envs.policies import get_policy
+    from sandpool.envs.runner import run_batch
+    from sandpool.envs.tasks import load_tasks
+
+    try:
+        path = _default_tasks() if tasks == "default" else Path(tasks)
+        rejected: list[RejectedTask] = []
+        task_list = load_tasks(path, rejected=rejected)
+        if limit:
+            task_list = task_list[:limit]
+        policies = [get_policy(p.strip(), base_url=chat_url, model=model) for p in policy.split(",") if p.strip()]
+    except (errors.InputError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    for r in rejected:
+        console.print(f"[yellow]rejected[/] row {r.row}: {r.reason}")
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "rollouts.jsonl"
+    if not resume:
+        results_path.unlink(missing_ok=True)
+    backend = LocalBackend(limits=ResourceLimits(network=network))
+    counts = {o: 0 for o in Outcome}
+
+    with Progress(TextColumn("[bold]rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("{task.description}"), console=console) as bar:
+        job = bar.add_task("", total=len(task_list) * rollouts)
+
+        def on_result(r: RolloutResult) -> None:
+            counts[r.outcome] += 1
+            bar.update(job, advance=1, description="  ".join(f"{o.value} {n}" for o, n in counts.items()))
+
+        try:
+            report = asyncio.run(run_batch(
+                task_list, policies, backend, rollouts_per_task=rollouts, concurrency=concurrency,
+                strategy=strategy, limits=PoolLimits(), retries=retries, results_path=results_path,
+                resume=resume, rejected=rejected, on_result=on_result))
+        except KeyboardInterrupt:
+            console.print(f"[yellow]interrupted[/]: finished rollouts are kept in {results_path}; "
+                          "rerun with --resume to continue")
+            raise typer.Exit(130) from None
+        except (errors.FatalError, errors.InputError) as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+    js, txt = report.write(out)
+    print(report.render_text())
+    console.print(f"reports: {txt}  {js}  {results_path}")
+
+
+@app.command("build-pack")
+def build_pack() -> None:
+    """Build (or reuse) the default task pack: image directories and tasks.jsonl."""
+    print(_default_tasks())
+
+
+@app.command()
+def gc() -> None:
+    """Remove what dead local runs left behind (sandbox processes, overlay mounts, cgroups)."""
+    from sandpool.core.backends.local import reap_stale
+
+    reaped = reap_stale(sandpool_home() / "local")
+    print(f"reaped {len(reaped)} dead local runs" + (f": {', '.join(reaped)}" if reaped else ""))
+
+
+def main() -> None:  # pragma: no cover - console entry
+    """Entry point for ``python -m sandpool``."""
+    app(prog_name="sandpool")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

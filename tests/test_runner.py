@@ -1,0 +1,117 @@
+"""The batch runner and the policies on real sandboxes."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from sandpool.core import Outcome, errors
+from sandpool.core.backends.local import LocalBackend
+from sandpool.envs.policies import ChatPolicy, NoopPolicy, OraclePolicy, get_policy
+from sandpool.envs.runner import run_batch
+from sandpool.envs.tasks import load_tasks, parse_task
+
+
+async def test_oracle_resolves_and_noop_does_not(test_images_root, calc_task, tmp_path):
+    results = tmp_path / "rollouts.jsonl"
+    report = await run_batch([calc_task], [OraclePolicy(), NoopPolicy()], LocalBackend(test_images_root),
+                             rollouts_per_task=4, concurrency=2, results_path=results)
+    by = {r.policy: [] for r in report.rollouts}
+    for r in report.rollouts:
+        by[r.policy].append(r.reward)
+    assert by == {"oracle": [1.0, 1.0], "noop": [0.0, 0.0]}
+    assert report.failures == {"completed": 4, "infra_failed": 0, "task_failed": 0}
+    assert report.ttfc.n == 4 and report.sandboxes_created <= 2 and report.resets >= 2
+    assert len(results.read_text().splitlines()) == 4
+    text = report.render_text()
+    assert "TTFC" in text and "resolved 2" in text
+
+
+async def test_resume_skips_finished_rollouts(test_images_root, calc_task, tmp_path):
+    results = tmp_path / "rollouts.jsonl"
+    await run_batch([calc_task], [OraclePolicy()], LocalBackend(test_images_root), rollouts_per_task=2,
+                    concurrency=1, results_path=results)
+    report = await run_batch([calc_task], [OraclePolicy()], LocalBackend(test_images_root),
+                             rollouts_per_task=3, concurrency=1, results_path=results, resume=True)
+    assert sorted(r.rollout for r in report.rollouts) == [0, 1, 2]
+    assert report.ttfc.n == 1  # only the missing rollout ran
+
+
+async def test_unknown_image_task_is_rejected_and_reported(test_images_root, calc_task):
+    ghost = calc_task.model_copy(update={"instance_id": "ghost-1", "image": "sandpool.local/ghost:0"})
+    report = await run_batch([calc_task, ghost], [OraclePolicy()], LocalBackend(test_images_root),
+                             rollouts_per_task=1, concurrency=1)
+    assert [r.task_id for r in report.rollouts] == [calc_task.instance_id]
+    assert report.rejected[0].task_id == "ghost-1" and "build-pack" in report.rejected[0].reason
+
+
+def test_malformed_rows_name_the_row_and_field(tmp_path, calc_task):
+    good = calc_task.model_dump(mode="json")
+    rows = [good, {**good, "instance_id": "b", "base_commit": "HEAD"}, {**good, "instance_id": "c"}]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
+    with pytest.raises(errors.TaskValidationError, match=r"row 2 \(b\): field 'base_commit'.*40-character") as info:
+        load_tasks(path)
+    assert info.value.row == 2 and info.value.field == "base_commit"
+    rejected = []
+    tasks = load_tasks(path, rejected=rejected)
+    assert [t.instance_id for t in tasks] == [calc_task.instance_id, "c"]
+    assert [r.row for r in rejected] == [2, 4] and "not valid JSON" in rejected[1].reason
+
+
+def test_swe_smith_style_rows_map_onto_the_task_fields(calc_task):
+    row = calc_task.model_dump(mode="json")
+    row["image_name"] = row.pop("image")
+    row["FAIL_TO_PASS"] = json.dumps(row["FAIL_TO_PASS"])  # SWE-bench ships JSON strings
+    task = parse_task(row)
+    assert task.image == calc_task.image and task.FAIL_TO_PASS == calc_task.FAIL_TO_PASS
+
+
+class _ScriptedChat(BaseHTTPRequestHandler):
+    """An OpenAI-compatible endpoint that replies with a fixed script of messages."""
+
+    script: list[str] = []
+    seen: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _ScriptedChat.seen.append(body)
+        content = _ScriptedChat.script[min(len(body["messages"]) // 2 - 1, len(_ScriptedChat.script) - 1)]
+        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": content}}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+async def test_chat_policy_drives_the_sandbox_over_http(test_images_root, calc_task):
+    _ScriptedChat.script = ["Let me fix it.\n```bash\nsed -i 's/a - b/a + b/' calc.py\n```", "SUBMIT"]
+    server = HTTPServer(("127.0.0.1", 0), _ScriptedChat)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    policy = get_policy("chat", base_url=f"http://127.0.0.1:{server.server_port}/v1", model="m")
+    assert isinstance(policy, ChatPolicy)
+    try:
+        report = await run_batch([calc_task], [policy], LocalBackend(test_images_root),
+                                 rollouts_per_task=1, concurrency=1)
+    finally:
+        await policy.aclose()
+        server.shutdown()
+        server.server_close()
+    assert report.rollouts[0].outcome is Outcome.COMPLETED and report.rollouts[0].reward == 1.0
+    assert _ScriptedChat.seen[0]["messages"][1]["content"] == calc_task.problem_statement
+    assert "exit code 0" in _ScriptedChat.seen[1]["messages"][-1]["content"]
+
+
+async def test_unreachable_chat_endpoint_is_task_failed(test_images_root, calc_task):
+    policy = ChatPolicy("http://127.0.0.1:9/v1", "m", request_timeout=2)
+    report = await run_batch([calc_task], [policy], LocalBackend(test_images_root),
+                             rollouts_per_task=1, concurrency=1)
+    await policy.aclose()
+    assert report.rollouts[0].outcome is Outcome.TASK_FAILED
