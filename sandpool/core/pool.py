@@ -251,6 +251,10 @@ class SandboxPool:
                 if not w.future.done():
                     w.future.set_exception(errors.PoolClosed("pool closed while waiting for a sandbox"))
             img.waiters.clear()
+        # Let in-flight creations, resets and deletes finish: a cancelled delete would leave
+        # mounts behind, and work that lands after close deletes its own sandbox.
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self.limits.create_timeout)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -315,7 +319,10 @@ class SandboxPool:
         if self.limits.max_live is None:
             self._max_live = max(self.strategy.max_live(concurrency), len(slots))
         for image, n in slots.items():
-            self._images.setdefault(image, _Image()).target = n
+            # The strategy's warm count for an empty image; the backend may hold it server-side.
+            warm = self.strategy.deficit(target=n, idle=0, creating=0, leased=0, resetting=0)
+            kept = await self.backend.set_warm_target(image, warm, reuse=self.strategy.reuse)
+            self._images.setdefault(image, _Image()).target = kept if warm else n
         self._assign()
         if wait:
             await self.wait_warm()
@@ -327,6 +334,7 @@ class SandboxPool:
             while any(i.creating for i in self._images.values()):
                 self._changed.clear()
                 await self._changed.wait()
+            await self.backend.wait_warm()
 
     # -- claim / release -------------------------------------------------------------------
 
@@ -574,6 +582,9 @@ class SandboxPool:
         except (errors.SandpoolError, TimeoutError) as exc:
             problems = [f"reset failed: {type(exc).__name__}: {exc}"]
         img.resetting -= 1
+        if self.state is not PoolState.OPEN:
+            await self._delete(entry.sandbox)
+            return
         if problems:
             self.counters.quarantines += 1
             self.counters.quarantine_reasons = (self.counters.quarantine_reasons

@@ -434,7 +434,7 @@ class LocalBackend(Backend):
             finally:
                 stderr.close()
         except OSError as exc:
-            await asyncio.to_thread(self._cleanup_state, sid, state)
+            self._cleanup_state(sid, state)
             raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
         sandbox = LocalSandbox(sid, img, proc, state)
         self._live[sid] = sandbox
@@ -457,7 +457,9 @@ class LocalBackend(Backend):
                 pass
         if proc.stdin is not None:
             proc.stdin.close()
-        await asyncio.to_thread(self._cleanup_state, sandbox.id, sandbox.state_dir)
+        # Synchronous on purpose: a few milliseconds, and it must work at interpreter exit,
+        # when no new thread can start.
+        self._cleanup_state(sandbox.id, sandbox.state_dir)
         await proc.wait()
         await sandbox._reader
 
@@ -486,7 +488,7 @@ class LocalBackend(Backend):
         await asyncio.gather(*(self.delete(sb) for sb in list(self._live.values())))
         if self._cgroups is not None:
             self._cgroups.remove_parent()
-        await asyncio.to_thread(shutil.rmtree, self._run_dir, True)
+        shutil.rmtree(self._run_dir, ignore_errors=True)
 
 
 def _mount_overlay(lower: str, upper: Path, work: Path, merged: Path) -> None:
