@@ -1,0 +1,436 @@
+"""The Gymnasium integration against real bubblewrap sandboxes and the real gymnasium."""
+
+from __future__ import annotations
+
+import functools
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
+
+import sandpool
+from sandpool.core import Task
+from sandpool.core.backends.local import LocalBackend, image_dir
+from sandpool.integrations.gymnasium import ENV_ID, BackgroundPool, SWEEnv, SWEVectorEnv
+from sandpool.integrations.gymnasium._text import CHARSET, to_text, truncate
+
+# -- a tiny real image: a git repo with one bug, a venv with pytest ---------------------------
+
+TEST_IMAGES = Path.home() / ".cache" / "sandpool" / "test-images"
+IMAGE = "test/gym-calc:2"
+_SITE = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+_PYTEST_DIST = ["_pytest", "pytest", "pluggy", "iniconfig", "packaging", "pygments", "py.py"]
+
+CALC_BUGGY = "def add(a, b):\n    return a - b\n\n\ndef neg(a):\n    return -a\n"
+CALC_FIXED = CALC_BUGGY.replace("a - b", "a + b")
+TESTS = ("from calc import add, neg\n\n\ndef test_add():\n    assert add(1, 2) == 3\n\n\n"
+         "def test_neg():\n    assert neg(2) == -2\n")
+
+
+def _git(repo: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          text=True, env=env).stdout
+
+
+def _build_image() -> tuple[Path, Task]:
+    """Build (once) the image directory and return ``(images_root, task)``."""
+    final = image_dir(TEST_IMAGES, IMAGE)
+    if not (final / "task.json").exists():
+        TEST_IMAGES.mkdir(parents=True, exist_ok=True)
+        build = final.with_name(final.name + f".build-{os.getpid()}")
+        shutil.rmtree(build, ignore_errors=True)
+        repo, venv = build / "repo", build / "venv"
+        repo.mkdir(parents=True)
+        (repo / "calc.py").write_text(CALC_BUGGY)
+        (repo / "tests").mkdir()
+        (repo / "tests" / "test_calc.py").write_text(TESTS)
+        (repo / ".gitignore").write_text("__pycache__/\n")
+        _git(repo, "init", "-q")
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-q", "-m", "init")
+        base = _git(repo, "rev-parse", "HEAD").strip()
+        (repo / "calc.py").write_text(CALC_FIXED)
+        patch = _git(repo, "diff")
+        _git(repo, "checkout", "-q", "--", "calc.py")
+        subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", "--without-pip", str(venv)],
+                       check=True)
+        site = venv / "lib" / _SITE.parent.name / "site-packages"
+        for item in os.listdir(_SITE):
+            if item.split("-")[0] in _PYTEST_DIST or item in _PYTEST_DIST:
+                src = _SITE / item
+                (shutil.copytree if src.is_dir() else shutil.copy2)(src, site / item)
+        final_venv, final_repo = final / "venv", final / "repo"
+        (build / "image.json").write_text(json.dumps({
+            "name": IMAGE, "python_prefix": sys.base_prefix, "venv": str(final_venv),
+            "repo": str(final_repo), "workdir": "/testbed"}))
+        task = {"instance_id": "gym-calc-1", "repo": "sandpool/gym-calc", "base_commit": base,
+                "image": IMAGE, "problem_statement": "add(1, 2) returns -1; it should return 3.\n"
+                "Caf\u00e9 \u2713 (non-ASCII in the issue text).", "patch": patch,
+                "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
+                "PASS_TO_PASS": ["tests/test_calc.py::test_neg"]}
+        (build / "task.json").write_text(json.dumps(task))
+        shutil.rmtree(final, ignore_errors=True)
+        # venv scripts hold absolute paths: fix them for the final location before the move.
+        for script in (venv / "bin").iterdir():
+            if script.is_file() and not script.is_symlink():
+                text = script.read_bytes()
+                script.write_bytes(text.replace(str(build).encode(), str(final).encode()))
+        (venv / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text().replace(str(build), str(final)))
+        build.rename(final)
+    return TEST_IMAGES, Task.model_validate_json((final / "task.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def image() -> tuple[Path, Task]:
+    return _build_image()
+
+
+@pytest.fixture(scope="session")
+def task(image: tuple[Path, Task]) -> Task:
+    return image[1]
+
+
+@pytest.fixture(scope="session")
+def opts(image: tuple[Path, Task]) -> dict:
+    """Keyword arguments every env in these tests gets."""
+    return {"tasks": [image[1]], "backend_options": {"images_root": str(image[0])},
+            "step_timeout": 10.0, "grade_timeout": 120.0}
+
+
+def oracle_write(env, task: Task, index: int | None = None) -> None:
+    args = ("/tmp/gold.patch", task.patch)
+    env.unwrapped.write_file(*args) if index is None else env.write_file(index, *args)
+
+
+def _loop_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "sandpool-gym-loop"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+# -- registration and construction -------------------------------------------------------------
+
+def test_import_registers_both_entry_points() -> None:
+    spec = gym.spec(ENV_ID)
+    assert spec.entry_point == "sandpool.integrations.gymnasium.env:SWEEnv"
+    assert spec.vector_entry_point == "sandpool.integrations.gymnasium.vector:SWEVectorEnv"
+    assert sandpool.__version__
+
+
+def test_make_with_module_prefix_works_without_importing_sandpool(task: Task) -> None:
+    code = textwrap.dedent(f"""
+        import sys, gymnasium as gym
+        assert "sandpool" not in sys.modules
+        env = gym.make("sandpool:{ENV_ID}", tasks={[task.model_dump(mode="json")]!r})
+        print(type(env.unwrapped).__name__)
+        env.close()
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "SWEEnv"
+
+
+def test_core_imports_without_gymnasium() -> None:
+    code = ("import sys; sys.modules['gymnasium'] = None\n"
+            "import sandpool, sandpool.core, sandpool.core.backends.local\n"
+            "assert not any(m.startswith('sandpool.integrations.gymnasium.') for m in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+
+
+def test_construction_starts_no_thread_and_no_sandbox(opts: dict) -> None:
+    before = len(_loop_threads())
+    env = gym.make(ENV_ID, **opts)
+    venv = gym.make_vec(ENV_ID, num_envs=3, **opts)
+    assert len(_loop_threads()) == before
+    assert env.unwrapped._owner.runner is None and venv._owner.runner is None
+    env.close()
+    venv.close()
+
+
+# -- the checker and the text spaces --------------------------------------------------------
+
+def test_check_env_passes_on_the_real_env(opts: dict) -> None:
+    env = gym.make(ENV_ID, max_steps=5, **opts)
+    try:
+        check_env(env.unwrapped)
+    finally:
+        env.close()
+
+
+def test_output_outside_the_charset_is_escaped_and_long_output_cut(opts: dict) -> None:
+    env = gym.make(ENV_ID, max_output_chars=1000, **opts)
+    try:
+        obs, info = env.reset(seed=0)
+        assert obs in env.observation_space
+        assert "Caf\\xe9 \\u2713" in obs["problem_statement"]
+        obs, *_, info = env.step(r"printf 'caf\xc3\xa9 \xff \xf0\x9f\x98\x80 \x1b[1m\r\n'; echo err >&2")
+        assert obs["stdout"] == "caf\\xe9 \\xff \\U0001f600 \\x1b[1m\n"
+        assert obs["stderr"] == "err\n" and obs["exit_code"] == 0
+        assert obs in env.observation_space and not info["output_truncated"]
+        obs, *_, info = env.step("python -c \"print('a' * 5000 + 'b' * 5000)\"")
+        assert len(obs["stdout"]) <= 1000 and info["output_truncated"]
+        assert obs["stdout"].startswith("aaa") and obs["stdout"].rstrip().endswith("bbb")
+        assert "characters cut" in obs["stdout"] and obs in env.observation_space
+    finally:
+        env.close()
+
+
+def test_text_helpers_keep_the_charset_and_the_length() -> None:
+    assert set(CHARSET) >= set("\t\n ~") and "\r" not in CHARSET and len(CHARSET) == 97
+    raw = bytes(range(256)) + "é✓😀".encode()
+    text = to_text(raw)
+    assert set(text) <= set(CHARSET)
+    for limit in (64, 100, 500):
+        cut, was_cut = truncate(text, limit)
+        assert len(cut) <= limit and was_cut
+    assert truncate("short", 64) == ("short", False)
+
+
+def test_a_command_that_hangs_is_killed_at_the_step_timeout(opts: dict) -> None:
+    env = gym.make(ENV_ID, **{**opts, "step_timeout": 1.0})
+    try:
+        env.reset(seed=0)
+        t0 = time.monotonic()
+        obs, reward, term, trunc, info = env.step("sleep 60")
+        assert time.monotonic() - t0 < 10
+        assert obs["exit_code"] == 124 and info["timed_out"] and not (term or trunc) and reward == 0.0
+        obs, *_ = env.step("echo still-here")
+        assert obs["stdout"] == "still-here\n"
+    finally:
+        env.close()
+
+
+# -- rollouts: oracle gets 1, noop gets 0 ------------------------------------------------------
+
+def test_make_oracle_rollout_gets_reward_1_and_noop_gets_0(opts: dict, task: Task) -> None:
+    env = gym.make(ENV_ID, **opts)
+    try:
+        obs, info = env.reset(seed=1, options={"task_id": task.instance_id})
+        assert info["sandbox_id"] and info["ttfc_s"] > 0 and obs["workdir"] == "/testbed"
+        oracle_write(env, task)
+        obs, reward, term, trunc, info = env.step("git apply /tmp/gold.patch")
+        assert obs["exit_code"] == 0 and reward == 0.0 and not term
+        obs, reward, term, trunc, info = env.step("submit")
+        assert (reward, term, trunc, info["resolved"]) == (1.0, True, False, True)
+
+        env.reset(options={"task_id": task.instance_id})
+        obs, reward, term, trunc, info = env.step("submit")
+        assert (reward, term, trunc, info["resolved"]) == (0.0, True, False, False)
+        report = env.unwrapped.report()
+        assert report.failures["completed"] == 2 and report.reward.resolved == 1
+        assert report.ttfc.n == 2
+    finally:
+        env.close()
+
+
+def test_step_limit_ends_the_episode_truncated_and_graded(opts: dict, task: Task) -> None:
+    env = gym.make(ENV_ID, max_steps=2, **opts)
+    try:
+        env.reset(seed=0)
+        oracle_write(env, task)
+        _, reward, term, trunc, _ = env.step("git apply /tmp/gold.patch")
+        assert (reward, term, trunc) == (0.0, False, False)
+        _, reward, term, trunc, info = env.step("git diff --stat")
+        assert (reward, term, trunc, info["submitted"]) == (1.0, False, True, False)
+        with pytest.raises(gym.error.ResetNeeded):
+            env.step("true")
+    finally:
+        env.close()
+
+
+def test_make_vec_oracle_and_noop_in_one_batch(opts: dict, task: Task) -> None:
+    envs = gym.make_vec(ENV_ID, num_envs=2, **opts)
+    try:
+        assert isinstance(envs, SWEVectorEnv) and envs.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
+        obs, info = envs.reset(seed=3)
+        assert info["_ttfc_s"].all() and (info["ttfc_s"] > 0).all()
+        assert len(set(info["sandbox_id"])) == 2
+        oracle_write(envs, task, index=0)
+        obs, rew, term, trunc, info = envs.step(("git apply /tmp/gold.patch", "true"))
+        assert obs["exit_code"].tolist() == [0, 0] and obs in envs.observation_space
+        obs, rew, term, trunc, info = envs.step(("submit", "submit"))
+        assert rew.tolist() == [1.0, 0.0] and term.tolist() == [True, True]
+        # NEXT_STEP: the following step resets both; actions are ignored.
+        obs, rew, term, trunc, info = envs.step(("echo ignored", "echo ignored"))
+        assert obs["stdout"] == ("", "") and info["_ttfc_s"].all() and not term.any()
+        assert envs.report().reward.resolved == 1
+    finally:
+        envs.close()
+
+
+def test_vector_env_disabled_autoreset_uses_reset_mask(opts: dict) -> None:
+    envs = gym.make_vec(ENV_ID, num_envs=2, autoreset_mode=AutoresetMode.DISABLED, **opts)
+    try:
+        assert envs.metadata["autoreset_mode"] is AutoresetMode.DISABLED
+        envs.reset(seed=0)
+        _, _, term, _, _ = envs.step(("submit", "echo a"))
+        assert term.tolist() == [True, False]
+        with pytest.raises(gym.error.ResetNeeded):
+            envs.step(("echo x", "echo y"))
+        obs, info = envs.reset(options={"reset_mask": np.array([True, False])})
+        assert info["_sandbox_id"].tolist() == [True, False]
+        assert obs["stdout"] == ("", "a\n")  # sub-env 1 keeps its last observation
+        obs, *_ = envs.step(("echo x", "echo y"))
+        assert obs["stdout"] == ("x\n", "y\n")
+    finally:
+        envs.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async", "async-shared-memory"])
+def test_gymnasium_vector_wrappers_over_the_single_env(opts: dict, task: Task, mode: str) -> None:
+    make = functools.partial(gym.make, ENV_ID, **opts)
+    if mode == "sync":
+        envs = SyncVectorEnv([make, make])
+    else:
+        envs = AsyncVectorEnv([make, make], shared_memory=mode.endswith("shared-memory"),
+                              context="spawn")
+    try:
+        envs.reset(seed=5)
+        patch = task.patch
+        write = f"cat > /tmp/gold.patch <<'SANDPOOL_EOF'\n{patch}SANDPOOL_EOF\ngit apply /tmp/gold.patch"
+        obs, *_ = envs.step((write, "true"))
+        assert list(obs["exit_code"]) == [0, 0]
+        _, rew, term, _, _ = envs.step(("submit", "submit"))
+        assert rew.tolist() == [1.0, 0.0] and term.all()
+    finally:
+        envs.close()
+
+
+# -- infra failures are never a reward ----------------------------------------------------------
+
+def test_killed_sandbox_ends_the_episode_as_infra_failed_and_is_counted(opts: dict) -> None:
+    env = gym.make(ENV_ID, **opts)
+    try:
+        env.reset(seed=0)
+        backend = env.unwrapped.pool.pool.backend
+        assert isinstance(backend, LocalBackend)
+        backend.kill(env.unwrapped.sandbox)
+        obs, reward, term, trunc, info = env.step("echo hi")
+        assert trunc and not term and info["infra_failed"] and info["error_kind"] == "sandbox_died"
+        assert obs in env.observation_space
+        report = env.unwrapped.report()
+        assert report.failures["infra_failed"] == 1 and report.reward.scored == 0
+        assert report.infra_errors_by_kind.get("sandbox_died", 0) >= 1
+        assert report.rollouts[0].reward is None
+        obs, info = env.reset()  # a fresh sandbox afterwards
+        obs, *_ = env.step("echo back")
+        assert obs["stdout"] == "back\n"
+    finally:
+        env.close()
+
+
+def test_vector_env_infra_failure_hits_only_that_sub_env(opts: dict) -> None:
+    envs = gym.make_vec(ENV_ID, num_envs=2, **opts)
+    try:
+        envs.reset(seed=0)
+        envs.pool.pool.backend.kill(envs.sandbox(1))
+        obs, rew, term, trunc, info = envs.step(("echo ok", "echo lost"))
+        assert trunc.tolist() == [False, True] and obs["stdout"][0] == "ok\n"
+        assert info["infra_failed"].tolist() == [False, True]
+        assert info["error_kind"][1] == "sandbox_died"
+        assert envs.report().failures["infra_failed"] == 1
+    finally:
+        envs.close()
+
+
+# -- cleanup -----------------------------------------------------------------------------------
+
+def test_close_deletes_every_sandbox_and_stops_the_thread(opts: dict) -> None:
+    envs = gym.make_vec(ENV_ID, num_envs=2, **opts)
+    envs.reset(seed=0)
+    backend = envs.pool.pool.backend
+    pids = [envs.sandbox(i).pid for i in range(2)]
+    run_dir = backend._run_dir
+    envs.close()
+    envs.close()
+    assert not any(_alive(p) for p in pids) and not backend._live and not run_dir.exists()
+    assert not _loop_threads()
+
+
+def test_shared_pool_serves_several_envs_and_reports_them_all(opts: dict) -> None:
+    shared = BackgroundPool(strategy="reuse", backend_options=opts["backend_options"])
+    kw = {k: v for k, v in opts.items() if k != "backend_options"}
+    envs = [gym.make(ENV_ID, pool=shared, **kw) for _ in range(2)]
+    try:
+        for e in envs:
+            e.reset(seed=0)
+            e.step("submit")
+        for e in envs:
+            e.close()
+        assert shared.report().failures["completed"] == 2
+        assert not shared.closed  # the envs did not own it
+    finally:
+        shared.close()
+    assert shared.closed
+
+
+def test_garbage_collected_env_leaves_no_sandbox(opts: dict) -> None:
+    env = SWEEnv(**opts)
+    env.reset(seed=0)
+    pid = env.sandbox.pid
+    run_dir = env.pool.pool.backend._run_dir
+    del env
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while (_alive(pid) or run_dir.exists()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid) and not run_dir.exists()
+
+
+@pytest.mark.parametrize("how", ["sigint-mid-step", "exit-without-close"])
+def test_interrupted_or_unclosed_process_leaves_no_sandbox(opts: dict, how: str) -> None:
+    code = textwrap.dedent(f"""
+        import json, sys, gymnasium as gym, sandpool
+        from sandpool.core import Task
+        env = gym.make("{ENV_ID}", tasks=[Task.model_validate_json(sys.argv[1])],
+                       backend_options={{"images_root": sys.argv[2]}}, step_timeout=60.0)
+        env.reset(seed=0)
+        u = env.unwrapped
+        print(json.dumps({{"pid": u.sandbox.pid, "run_dir": str(u.pool.pool.backend._run_dir)}}), flush=True)
+        if sys.argv[3] == "sigint-mid-step":
+            env.step("sleep 50")   # SIGINT arrives here
+            print("not interrupted", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code, opts["tasks"][0].model_dump_json(),
+                             opts["backend_options"]["images_root"], how],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        state = json.loads(line)
+        assert _alive(state["pid"])
+        if how == "sigint-mid-step":
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if how == "sigint-mid-step":
+        assert "KeyboardInterrupt" in err and proc.returncode != 0
+    else:
+        assert proc.returncode == 0, err
+    assert not _alive(state["pid"])
+    assert not Path(state["run_dir"]).exists()
