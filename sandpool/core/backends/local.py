@@ -94,6 +94,7 @@ class LocalSandbox(Sandbox):
         self._ids = itertools.count(1)
         self._dead: str | None = None
         self._ready: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
+        self._ready.add_done_callback(_retrieve)
         self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-reader-{sid}")
 
     def __repr__(self) -> str:
@@ -172,6 +173,7 @@ class LocalSandbox(Sandbox):
             ) from None
         finally:
             self._pending.pop(rid, None)
+            _retrieve(fut)  # the reader may have failed it while we were raising something else
         if msg.get("error") == "agent_exception":
             raise errors.ExecTransportError(f"sandbox {self.id}: agent failed {op!r}: {msg['message']}")
         return msg
@@ -489,6 +491,12 @@ class LocalBackend(Backend):
         if self._cgroups is not None:
             self._cgroups.remove_parent()
         shutil.rmtree(self._run_dir, ignore_errors=True)
+
+
+def _retrieve(fut: asyncio.Future) -> None:
+    # Mark a failed future's exception as seen; the caller got (or will get) its own error.
+    if fut.done() and not fut.cancelled():
+        fut.exception()
 
 
 def _mount_overlay(lower: str, upper: Path, work: Path, merged: Path) -> None:

@@ -1,0 +1,428 @@
+"""The ``sandpool_swe`` NeMo Gym resources server: SWE tasks on warm, in-place-reset sandboxes.
+
+Routes (all keyed by NeMo Gym's session cookie):
+
+* ``POST /seed_session`` ``{"instance_id": ...}`` (plus the rest of the dataset row) claims a
+  sandbox for the task, already at its base commit, and runs a first command.
+* ``POST /shell`` ``{"command": ..., "timeout_s": ...}``, ``POST /read_file`` ``{"path": ...}``
+  and ``POST /write_file`` ``{"path": ..., "content": ...}`` are the agent's tools.
+* ``POST /verify`` grades the sandbox's state against FAIL_TO_PASS/PASS_TO_PASS, returns
+  ``reward`` (1.0 resolved, else 0.0), then releases the sandbox for reuse.
+* ``GET /pool_status`` shows pool and session counts.
+
+Failure accounting: an infra failure (a sandbox that died, a broken command channel, a claim
+that timed out, a session reclaimed for idleness) answers ``503`` with
+``{"outcome": "infra_failed", "kind": ..., "message": ...}``. NeMo Gym's agents raise on a
+non-2xx ``/seed_session`` or ``/verify``, so the rollout fails (and is retried) instead of being
+scored; a reward is only ever returned for a sandbox that was graded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from nemo_gym.base_resources_server import (
+    BaseResourcesServerConfig,
+    BaseSeedSessionRequest,
+    BaseSeedSessionResponse,
+    BaseVerifyRequest,
+    BaseVerifyResponse,
+    SimpleResourcesServer,
+)
+from nemo_gym.server_utils import SESSION_ID_KEY
+from sandpool.core import errors
+from sandpool.core.pool import SandboxPool
+from sandpool.core.task import Task
+from sandpool.envs.grading import grade
+from sandpool.envs.tasks import parse_task
+from sandpool.integrations.nemo_gym.config import PoolSettings, validate_settings
+from sandpool.integrations.nemo_gym.sessions import SessionTable, UnknownSession
+
+__all__ = [
+    "ReadFileRequest",
+    "ReadFileResponse",
+    "SandpoolSeedSessionRequest",
+    "SandpoolSeedSessionResponse",
+    "SandpoolSweConfig",
+    "SandpoolSweResourcesServer",
+    "SandpoolVerifyRequest",
+    "SandpoolVerifyResponse",
+    "ShellRequest",
+    "ShellResponse",
+    "WriteFileRequest",
+    "WriteFileResponse",
+]
+
+
+class SandpoolSweConfig(BaseResourcesServerConfig):
+    """Server config: NeMo Gym's server keys plus the ``sandpool:`` block.
+
+    Attributes:
+        sandpool: Backend, strategy, pool sizes, task source and timeouts
+            (see :class:`~sandpool.integrations.nemo_gym.config.PoolSettings`).
+    """
+
+    sandpool: PoolSettings = Field(default_factory=PoolSettings)
+
+    @field_validator("sandpool", mode="before")
+    @classmethod
+    def _named_errors(cls, value: Any) -> PoolSettings:
+        try:
+            return validate_settings(value, where="sandpool")
+        except errors.ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("num_workers", check_fields=False)
+    @classmethod
+    def _one_worker(cls, value: int | None) -> int | None:
+        if value is not None and value > 1:
+            raise ValueError(
+                "num_workers: sandpool_swe keeps sessions and its pool in one process; "
+                "use num_workers: 1 and raise sandpool.concurrency instead"
+            )
+        return value
+
+
+class SandpoolSeedSessionRequest(BaseSeedSessionRequest):
+    """The dataset row, as NeMo Gym's agent posts it to ``/seed_session``.
+
+    Attributes:
+        instance_id: The task to run, looked up in the configured task source.
+        task: Optional inline SWE-bench row, used when the id is not in the task source.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    instance_id: str = Field(min_length=1)
+    task: dict[str, Any] | None = None
+
+
+class SandpoolSeedSessionResponse(BaseSeedSessionResponse):
+    """What ``/seed_session`` reports.
+
+    Attributes:
+        instance_id: The task.
+        sandbox_id: The sandbox leased for the session.
+        workdir: Path of the task repo in the sandbox (relative tool paths start there).
+        ttfc_s: Time to first command: claim request to the answer of the first command, s.
+    """
+
+    instance_id: str
+    sandbox_id: str
+    workdir: str
+    ttfc_s: float | None = None
+
+
+class ShellRequest(BaseModel):
+    """Run a shell command (``bash -c``) in the task repo.
+
+    Attributes:
+        command: The command line.
+        timeout_s: Seconds before the command's process group is killed (exit code 124);
+            default and cap come from the config.
+    """
+
+    command: str
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class ShellResponse(BaseModel):
+    """A command's result; output is UTF-8 text, each stream capped by the config."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    duration_s: float
+
+
+class ReadFileRequest(BaseModel):
+    """Read a file; a relative ``path`` is relative to the task repo."""
+
+    path: str = Field(min_length=1)
+
+
+class ReadFileResponse(BaseModel):
+    """A file's content as UTF-8 text (invalid bytes become U+FFFD), capped by the config."""
+
+    path: str
+    content: str
+    size_bytes: int
+    truncated: bool
+
+
+class WriteFileRequest(BaseModel):
+    """Write a UTF-8 text file, creating parent directories; relative to the task repo."""
+
+    path: str = Field(min_length=1)
+    content: str
+
+
+class WriteFileResponse(BaseModel):
+    """Confirms a write."""
+
+    path: str
+    bytes_written: int
+
+
+class SandpoolVerifyRequest(BaseVerifyRequest):
+    """NeMo Gym's verify body; the row's extra fields are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class SandpoolVerifyResponse(BaseVerifyResponse):
+    """The graded outcome; ``reward`` is 1.0 only if every FAIL_TO_PASS/PASS_TO_PASS test passed.
+
+    Attributes:
+        instance_id: The task.
+        sandbox_id: The sandbox that was graded.
+        resolved: Every listed test passed.
+        f2p_passed: FAIL_TO_PASS tests that passed.
+        f2p_failed: FAIL_TO_PASS tests that did not.
+        p2p_passed: PASS_TO_PASS tests that passed.
+        p2p_failed: PASS_TO_PASS tests that did not.
+        tests_timed_out: The test run hit ``grade_timeout_s`` (scored 0: the policy's code hung).
+        grade_error: Why the tests could not be set up (scored 0), else ``None``.
+        grade_duration_s: Wall time of the test command, in seconds.
+        ttfc_s: The session's time to first command, in seconds.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    instance_id: str
+    sandbox_id: str
+    resolved: bool
+    f2p_passed: int
+    f2p_failed: int
+    p2p_passed: int
+    p2p_failed: int
+    tests_timed_out: bool = False
+    grade_error: str | None = None
+    grade_duration_s: float = 0.0
+    ttfc_s: float | None = None
+
+
+def _error_response(exc: errors.SandpoolError) -> JSONResponse:
+    """Map a sandpool error to the HTTP answer NeMo Gym's agents act on.
+
+    Infra errors are ``503`` (NeMo Gym raises: a failed, retryable rollout, never a reward);
+    an unknown session is ``409``; other input errors ``422``; a closed pool ``503``.
+    """
+    if isinstance(exc, errors.InfraError):
+        status, outcome = 503, "infra_failed"
+    elif isinstance(exc, UnknownSession):
+        status, outcome = 409, "no_session"
+    elif isinstance(exc, errors.InputError):
+        status, outcome = 422, "bad_input"
+    else:
+        status, outcome = 503, "unavailable"
+    return JSONResponse(status_code=status,
+                        content={"outcome": outcome, "kind": exc.kind, "message": str(exc)})
+
+
+class SandpoolSweResourcesServer(SimpleResourcesServer):
+    """A NeMo Gym resources server whose sessions run in pooled sandpool sandboxes.
+
+    Started by NeMo Gym as ``python app.py`` (``SandpoolSweResourcesServer.run_webserver()``)
+    from ``resources_servers/sandpool_swe``. The pool opens, hydrates the task images and fills
+    its warm pools during application startup, and closes (deleting every sandbox) at shutdown.
+    """
+
+    config: SandpoolSweConfig
+
+    _pool: SandboxPool | None = PrivateAttr(default=None)
+    _sessions: SessionTable | None = PrivateAttr(default=None)
+    _tasks: dict[str, Task] = PrivateAttr(default_factory=dict)
+
+    @property
+    def pool(self) -> SandboxPool:
+        """The open pool (available once the app has started).
+
+        Raises:
+            PoolClosed: The app has not started, or has shut down.
+        """
+        if self._pool is None:
+            raise errors.PoolClosed("the sandpool_swe server has not started its pool")
+        return self._pool
+
+    @property
+    def sessions(self) -> SessionTable:
+        """The session table (available once the app has started).
+
+        Raises:
+            PoolClosed: The app has not started, or has shut down.
+        """
+        if self._sessions is None:
+            raise errors.PoolClosed("the sandpool_swe server has not started its pool")
+        return self._sessions
+
+    def setup_webserver(self) -> FastAPI:
+        """Build NeMo Gym's app, add the tool routes and tie the pool to the app lifespan."""
+        app = super().setup_webserver()
+        app.post("/shell")(self.shell)
+        app.post("/read_file")(self.read_file)
+        app.post("/write_file")(self.write_file)
+        app.get("/pool_status")(self.pool_status)
+
+        inner = app.router.lifespan_context
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app_: FastAPI):  # type: ignore[no-untyped-def]
+            await self.start()
+            try:
+                async with inner(app_) as state:
+                    yield state
+            finally:
+                await self.stop()
+
+        app.router.lifespan_context = lifespan
+        return app
+
+    async def start(self) -> None:
+        """Load tasks, open the pool, prepare warm pools and start the idle reaper.
+
+        Raises:
+            ConfigError, TaskValidationError: The task source is wrong (names the key/row).
+            BackendUnavailable: The backend cannot run sandboxes here.
+            ImageNotFound: A task's image is not built.
+        """
+        settings = self.config.sandpool
+        tasks = await settings.load_tasks()
+        self._tasks = {t.instance_id: t for t in tasks}
+        pool = settings.build_pool()
+        await pool.open()
+        try:
+            if settings.prepare and tasks:
+                await pool.prepare(tasks, concurrency=settings.concurrency)
+        except BaseException:
+            await pool.aclose()
+            raise
+        self._pool = pool
+        self._sessions = SessionTable(pool, idle_timeout_s=settings.idle_timeout_s)
+        self._sessions.start_reaper()
+
+    async def stop(self) -> None:
+        """Release every session and close the pool (deleting its sandboxes). Idempotent."""
+        if self._sessions is not None:
+            await self._sessions.aclose()
+            self._sessions = None
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
+
+    def _task_for(self, body: SandpoolSeedSessionRequest) -> Task:
+        task = self._tasks.get(body.instance_id)
+        if task is not None:
+            return task
+        if body.task is not None:
+            task = parse_task(body.task)
+            if task.instance_id != body.instance_id:
+                raise errors.TaskValidationError(
+                    f"instance_id {body.instance_id!r} does not match the inline task's "
+                    f"{task.instance_id!r}", field="instance_id")
+            return task
+        raise errors.TaskValidationError(
+            f"instance_id {body.instance_id!r} is not in the task source "
+            f"({self.config.sandpool.tasks!r}); fix the dataset row or sandpool.tasks",
+            field="instance_id",
+        )
+
+    async def seed_session(self, request: Request, body: SandpoolSeedSessionRequest):  # type: ignore[override]
+        """Claim a sandbox for the row's task, at its base commit, under this session."""
+        try:
+            task = self._task_for(body)
+            session = await self.sessions.open(request.session[SESSION_ID_KEY], task)
+        except errors.SandpoolError as exc:
+            return _error_response(exc)
+        return SandpoolSeedSessionResponse(instance_id=task.instance_id, sandbox_id=session.lease.id,
+                                           workdir=session.lease.workdir, ttfc_s=session.lease.ttfc_s)
+
+    async def shell(self, request: Request, body: ShellRequest):  # type: ignore[no-untyped-def]
+        """Tool: run a shell command in the session's sandbox.
+
+        A non-zero exit or a timeout is the policy's own result (``200``); an infra failure
+        fails the session (``503``).
+        """
+        settings = self.config.sandpool
+        timeout = min(body.timeout_s or settings.exec_timeout_s, settings.max_exec_timeout_s)
+        try:
+            async with self.sessions.use(request.session[SESSION_ID_KEY]) as session:
+                res = await session.lease.exec(body.command, timeout=timeout,
+                                               max_output=settings.max_output_bytes)
+        except errors.SandpoolError as exc:
+            return _error_response(exc)
+        return ShellResponse(exit_code=res.exit_code, stdout=res.text, stderr=res.err_text,
+                             stdout_truncated=res.stdout_truncated, stderr_truncated=res.stderr_truncated,
+                             timed_out=res.timed_out, duration_s=res.duration_s)
+
+    async def read_file(self, request: Request, body: ReadFileRequest):  # type: ignore[no-untyped-def]
+        """Tool: read a text file from the session's sandbox (``404`` if it does not exist)."""
+        cap = self.config.sandpool.max_file_bytes
+        try:
+            async with self.sessions.use(request.session[SESSION_ID_KEY]) as session:
+                data = await session.lease.read_file(body.path)
+        except FileNotFoundError as exc:
+            return JSONResponse(status_code=404, content={"outcome": "not_found", "message": str(exc)})
+        except errors.SandpoolError as exc:
+            return _error_response(exc)
+        return ReadFileResponse(path=body.path, content=data[:cap].decode("utf-8", "replace"),
+                                size_bytes=len(data), truncated=len(data) > cap)
+
+    async def write_file(self, request: Request, body: WriteFileRequest):  # type: ignore[no-untyped-def]
+        """Tool: write a text file in the session's sandbox (``413`` over the size cap)."""
+        data = body.content.encode()
+        cap = self.config.sandpool.max_file_bytes
+        if len(data) > cap:
+            return JSONResponse(status_code=413, content={
+                "outcome": "too_large", "message": f"{len(data)} bytes exceeds max_file_bytes={cap}"})
+        try:
+            async with self.sessions.use(request.session[SESSION_ID_KEY]) as session:
+                await session.lease.write_file(body.path, data)
+        except errors.SandpoolError as exc:
+            return _error_response(exc)
+        return WriteFileResponse(path=body.path, bytes_written=len(data))
+
+    async def verify(self, request: Request, body: SandpoolVerifyRequest):  # type: ignore[override]
+        """Grade the session's sandbox, return the reward, then release the sandbox.
+
+        Returns ``503`` (never a reward) when the sandbox failed or the session expired.
+        """
+        sid = request.session[SESSION_ID_KEY]
+        try:
+            async with self.sessions.use(sid) as session:
+                result = await grade(session.lease, session.task,
+                                     timeout=self.config.sandpool.grade_timeout_s)
+                lease, task = session.lease, session.task
+            await self.sessions.close(sid)
+        except errors.SandpoolError as exc:
+            if not isinstance(exc, (errors.InfraError, UnknownSession)):
+                await self.sessions.close(sid)  # e.g. a task without tests: nothing to keep
+            return _error_response(exc)
+        graded = dict(
+            reward=result.reward, instance_id=task.instance_id, sandbox_id=lease.id,
+            resolved=result.resolved, f2p_passed=result.f2p_passed, f2p_failed=result.f2p_failed,
+            p2p_passed=result.p2p_passed, p2p_failed=result.p2p_failed,
+            tests_timed_out=result.timed_out, grade_error=result.error,
+            grade_duration_s=result.duration_s, ttfc_s=lease.ttfc_s,
+        )
+        return SandpoolVerifyResponse(**(body.model_dump() | graded))
+
+    async def pool_status(self) -> dict[str, Any]:
+        """Pool and session counts: sandboxes created, resets, quarantines, infra errors."""
+        pool = self.pool
+        c = pool.counters
+        return {
+            "pool": repr(pool),
+            "sessions": self.sessions.counts(),
+            "created": c.created, "deleted": c.deleted, "claims": c.claims, "warm_hits": c.warm_hits,
+            "resets": c.resets, "quarantines": c.quarantines,
+            "infra_errors": dict(c.infra_errors),
+        }

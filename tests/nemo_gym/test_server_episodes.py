@@ -1,0 +1,115 @@
+"""Full episodes against the sandpool_swe server started by ``ng_run``, driven over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import ClientResponseError
+
+from sandpool.core.task import Task
+from tests.nemo_gym.conftest import MAIN, SHORT_IDLE, SHORT_IDLE_S, SimpleAgentEpisode, row_for
+
+
+async def _status(client, server: str) -> dict:
+    res = await client.get(server_name=server, url_path="/pool_status")
+    return await res.json()
+
+
+async def test_oracle_episode_gets_reward_1(server_client, calc_task: Task) -> None:
+    ep = SimpleAgentEpisode(server_client, MAIN, row_for(calc_task))
+    seeded = await ep.seed()
+    assert seeded["instance_id"] == calc_task.instance_id and seeded["workdir"] == "/testbed"
+    status, body = await ep.tool("write_file", path="/tmp/gold.patch", content=calc_task.patch)
+    assert status == 200 and body["bytes_written"] == len(calc_task.patch.encode())
+    status, body = await ep.tool("shell", command="git apply /tmp/gold.patch && git diff --stat")
+    assert status == 200 and body["exit_code"] == 0, body
+    status, body = await ep.tool("read_file", path="calc.py")
+    assert status == 200 and "a + b" in body["content"]
+    result = await ep.verify()
+    assert result["reward"] == 1.0 and result["resolved"] is True
+    assert result["f2p_passed"] == 1 and result["p2p_passed"] == 1
+    assert result["sandbox_id"] == seeded["sandbox_id"]
+
+
+async def test_noop_episode_gets_reward_0(server_client, calc_task: Task) -> None:
+    ep = SimpleAgentEpisode(server_client, MAIN, row_for(calc_task))
+    await ep.seed()
+    status, body = await ep.tool("shell", command="git status --porcelain")
+    assert status == 200 and body["exit_code"] == 0 and body["stdout"] == ""
+    result = await ep.verify()
+    assert result["reward"] == 0.0 and result["resolved"] is False
+    assert result["f2p_failed"] == 1 and result["p2p_passed"] == 1
+
+
+async def test_reused_sandbox_starts_pristine_after_an_oracle_episode(server_client, calc_task: Task) -> None:
+    # concurrency=2 and strategy reuse: these episodes run on sandboxes earlier ones used.
+    for _ in range(3):
+        ep = SimpleAgentEpisode(server_client, MAIN, row_for(calc_task))
+        await ep.seed()
+        status, body = await ep.tool("shell", command="git status --porcelain; cat calc.py; ls /tmp")
+        assert status == 200 and "a - b" in body["stdout"] and "gold.patch" not in body["stdout"]
+        await ep.tool("write_file", path="calc.py", content="def add(a, b):\n    return a + b\n")
+        assert (await ep.verify())["reward"] == 1.0
+    stats = await _status(server_client, MAIN)
+    assert stats["resets"] >= 1 and stats["quarantines"] == 0
+
+
+async def test_concurrent_sessions_get_separate_sandboxes(server_client, calc_task: Task) -> None:
+    eps = [SimpleAgentEpisode(server_client, MAIN, row_for(calc_task)) for _ in range(2)]
+    seeded = await asyncio.gather(*(ep.seed() for ep in eps))
+    assert seeded[0]["sandbox_id"] != seeded[1]["sandbox_id"]
+    # A write in one session is invisible in the other.
+    await eps[0].tool("write_file", path="marker.txt", content="session 0")
+    status, body = await eps[1].tool("read_file", path="marker.txt")
+    assert status == 404, body
+    await eps[0].tool("write_file", path="calc.py", content="def add(a, b):\n    return a + b\n")
+    rewards = [r["reward"] for r in await asyncio.gather(*(ep.verify() for ep in eps))]
+    assert rewards == [1.0, 0.0]
+
+
+async def test_policy_errors_are_tool_results_not_failures(server_client, calc_task: Task) -> None:
+    ep = SimpleAgentEpisode(server_client, MAIN, row_for(calc_task))
+    await ep.seed()
+    status, body = await ep.tool("shell", command="echo out; echo err >&2; exit 3")
+    assert status == 200 and (body["exit_code"], body["stdout"], body["stderr"]) == (3, "out\n", "err\n")
+    status, body = await ep.tool("shell", command="sleep 30", timeout_s=1)
+    assert status == 200 and body["timed_out"] and body["exit_code"] == 124
+    status, body = await ep.tool("read_file", path="no/such/file")
+    assert status == 404
+    assert (await ep.verify())["reward"] == 0.0
+
+
+async def test_tool_call_without_seed_is_rejected(server_client) -> None:
+    ep = SimpleAgentEpisode(server_client, MAIN, {"instance_id": "x", "responses_create_params": {"input": ""}})
+    status, body = await ep.tool("shell", command="true")
+    assert status == 409 and body["kind"] == "unknown_session"
+
+
+async def test_unknown_task_fails_the_seed_naming_the_id(server_client) -> None:
+    ep = SimpleAgentEpisode(server_client, MAIN, {"instance_id": "nope__nope-1",
+                                                 "responses_create_params": {"input": ""}})
+    with pytest.raises(ClientResponseError) as info:
+        await ep.seed()
+    assert info.value.status == 422 and b"nope__nope-1" in info.value.response_content
+
+
+async def test_abandoned_session_is_reclaimed_after_idle_timeout(server_client, calc_task: Task) -> None:
+    before = (await _status(server_client, SHORT_IDLE))["sessions"]["reclaimed"]
+    ep = SimpleAgentEpisode(server_client, SHORT_IDLE, row_for(calc_task))
+    await ep.seed()
+    await ep.tool("write_file", path="calc.py", content="def add(a, b):\n    return a + b\n")
+    await asyncio.sleep(SHORT_IDLE_S * 2.5)
+    stats = await _status(server_client, SHORT_IDLE)
+    assert stats["sessions"]["reclaimed"] == before + 1 and stats["sessions"]["active"] == 0
+    status, body = await ep.tool("shell", command="true")
+    assert status == 503 and body["kind"] == "session_expired"
+    with pytest.raises(ClientResponseError) as info:  # a failed rollout, not a reward
+        await ep.verify()
+    assert info.value.status == 503
+    # The reclaimed sandbox went back to the pool, reset: a new session finds it pristine.
+    ep2 = SimpleAgentEpisode(server_client, SHORT_IDLE, row_for(calc_task))
+    await ep2.seed()
+    status, body = await ep2.tool("read_file", path="calc.py")
+    assert "a - b" in body["content"]
+    assert (await ep2.verify())["reward"] == 0.0
