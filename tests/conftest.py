@@ -87,3 +87,32 @@ async def local_backend(test_images_root: Path, calc_commits: dict[str, str]):
     await backend.preflight()
     yield backend
     await backend.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Task pack (sandpool.envs.taskpack): the default pack, built once per machine and cached.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+async def default_pack_path() -> Path:
+    """Path of the default pack's ``tasks.jsonl``: built on first use (minutes), then cached."""
+    from sandpool.envs.taskpack import abuild_default_pack
+
+    return await abuild_default_pack()
+
+
+@pytest.fixture(scope="session")
+def default_pack_tasks(default_pack_path: Path) -> list[Task]:
+    """Every task of the default pack, parsed."""
+    lines = default_pack_path.read_text().splitlines()
+    return [Task.model_validate_json(line) for line in lines if line.strip()]
+
+
+@pytest.fixture(scope="session")
+async def pack_backend():
+    """A real bubblewrap backend over the default images (``sandpool_home()/images``)."""
+    backend = LocalBackend()
+    await backend.preflight()
+    yield backend
+    await backend.aclose()
