@@ -23,10 +23,11 @@ console = Console(stderr=True)
 
 
 def _default_tasks() -> Path:
-    from sandpool.envs.taskpack import build_default_pack
+    from sandpool.envs.taskpack import RichBuildProgress, build_default_pack
 
-    console.print("[bold]task pack[/]: building or reusing the default pack (first run builds images)")
-    return build_default_pack()
+    console.print("[bold]task pack[/]: the default pack (built on the first run, then cached)")
+    with RichBuildProgress() as show:
+        return build_default_pack(progress=show)
 
 
 @app.command()
@@ -101,12 +102,30 @@ def build_pack() -> None:
 
 
 @app.command()
-def gc() -> None:
-    """Remove what dead local runs left behind (sandbox processes, overlay mounts, cgroups)."""
+def gc(
+    run_id: Annotated[str, typer.Option(help="Also delete this run's Kubernetes objects (label sandpool.io/run-id).")] = "",
+    kubeconfig: Annotated[str, typer.Option(help="Kubeconfig for --run-id (default: $KUBECONFIG or ~/.kube/config).")] = "",
+    namespace: Annotated[str, typer.Option(help="Namespace for --run-id.")] = "default",
+) -> None:
+    """Remove what dead local runs left behind; with --run-id, that run's Kubernetes objects.
+
+    Kubernetes: deletes the SandboxClaims, SandboxWarmPools, SandboxTemplates and Pods labelled
+    ``sandpool.io/run-id=<run-id>`` in the namespace, and nothing else.
+    """
     from sandpool.core.backends.local import reap_stale
 
     reaped = reap_stale(sandpool_home() / "local")
     print(f"reaped {len(reaped)} dead local runs" + (f": {', '.join(reaped)}" if reaped else ""))
+    if run_id:
+        from sandpool.core.backends import kubernetes
+
+        try:
+            found = asyncio.run(kubernetes.gc(run_id, kubeconfig=kubeconfig or None, namespace=namespace))
+        except errors.SandpoolError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        print(f"run {run_id} in namespace {namespace}: deleted "
+              + ", ".join(f"{n} {res}" for res, n in found.items()))
 
 
 def main() -> None:  # pragma: no cover - console entry

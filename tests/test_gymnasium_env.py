@@ -6,7 +6,6 @@ import functools
 import gc
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,81 +22,18 @@ from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
 import sandpool
 from sandpool.core import Task
-from sandpool.core.backends.local import LocalBackend, image_dir
+from sandpool.core.backends.local import LocalBackend
 from sandpool.integrations.gymnasium import ENV_ID, BackgroundPool, SWEEnv, SWEVectorEnv
 from sandpool.integrations.gymnasium._text import CHARSET, to_text, truncate
 
-# -- a tiny real image: a git repo with one bug, a venv with pytest ---------------------------
-
-TEST_IMAGES = Path.home() / ".cache" / "sandpool" / "test-images"
-IMAGE = "test/gym-calc:2"
-_SITE = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-_PYTEST_DIST = ["_pytest", "pytest", "pluggy", "iniconfig", "packaging", "pygments", "py.py"]
-
-CALC_BUGGY = "def add(a, b):\n    return a - b\n\n\ndef neg(a):\n    return -a\n"
-CALC_FIXED = CALC_BUGGY.replace("a - b", "a + b")
-TESTS = ("from calc import add, neg\n\n\ndef test_add():\n    assert add(1, 2) == 3\n\n\n"
-         "def test_neg():\n    assert neg(2) == -2\n")
-
-
-def _git(repo: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@localhost",
-           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@localhost"}
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                          text=True, env=env).stdout
-
-
-def _build_image() -> tuple[Path, Task]:
-    """Build (once) the image directory and return ``(images_root, task)``."""
-    final = image_dir(TEST_IMAGES, IMAGE)
-    if not (final / "task.json").exists():
-        TEST_IMAGES.mkdir(parents=True, exist_ok=True)
-        build = final.with_name(final.name + f".build-{os.getpid()}")
-        shutil.rmtree(build, ignore_errors=True)
-        repo, venv = build / "repo", build / "venv"
-        repo.mkdir(parents=True)
-        (repo / "calc.py").write_text(CALC_BUGGY)
-        (repo / "tests").mkdir()
-        (repo / "tests" / "test_calc.py").write_text(TESTS)
-        (repo / ".gitignore").write_text("__pycache__/\n")
-        _git(repo, "init", "-q")
-        _git(repo, "add", "-A")
-        _git(repo, "commit", "-q", "-m", "init")
-        base = _git(repo, "rev-parse", "HEAD").strip()
-        (repo / "calc.py").write_text(CALC_FIXED)
-        patch = _git(repo, "diff")
-        _git(repo, "checkout", "-q", "--", "calc.py")
-        subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", "--without-pip", str(venv)],
-                       check=True)
-        site = venv / "lib" / _SITE.parent.name / "site-packages"
-        for item in os.listdir(_SITE):
-            if item.split("-")[0] in _PYTEST_DIST or item in _PYTEST_DIST:
-                src = _SITE / item
-                (shutil.copytree if src.is_dir() else shutil.copy2)(src, site / item)
-        final_venv, final_repo = final / "venv", final / "repo"
-        (build / "image.json").write_text(json.dumps({
-            "name": IMAGE, "python_prefix": sys.base_prefix, "venv": str(final_venv),
-            "repo": str(final_repo), "workdir": "/testbed"}))
-        task = {"instance_id": "gym-calc-1", "repo": "sandpool/gym-calc", "base_commit": base,
-                "image": IMAGE, "problem_statement": "add(1, 2) returns -1; it should return 3.\n"
-                "Caf\u00e9 \u2713 (non-ASCII in the issue text).", "patch": patch,
-                "FAIL_TO_PASS": ["tests/test_calc.py::test_add"],
-                "PASS_TO_PASS": ["tests/test_calc.py::test_neg"]}
-        (build / "task.json").write_text(json.dumps(task))
-        shutil.rmtree(final, ignore_errors=True)
-        # venv scripts hold absolute paths: fix them for the final location before the move.
-        for script in (venv / "bin").iterdir():
-            if script.is_file() and not script.is_symlink():
-                text = script.read_bytes()
-                script.write_bytes(text.replace(str(build).encode(), str(final).encode()))
-        (venv / "pyvenv.cfg").write_text((venv / "pyvenv.cfg").read_text().replace(str(build), str(final)))
-        build.rename(final)
-    return TEST_IMAGES, Task.model_validate_json((final / "task.json").read_text())
+# -- the tiny calc image from conftest, with non-ASCII issue text ----------------------------
 
 
 @pytest.fixture(scope="session")
-def image() -> tuple[Path, Task]:
-    return _build_image()
+def image(test_images_root: Path, calc_task: Task) -> tuple[Path, Task]:
+    """``(images_root, task)``: the conftest calc task, its issue text made non-ASCII."""
+    text = calc_task.problem_statement + "\nCaf\u00e9 \u2713 (non-ASCII in the issue text)."
+    return test_images_root, calc_task.model_copy(update={"problem_statement": text})
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,45 @@
+# Two commands after cloning: `make run` (the main job) and `make test` (the test suite).
+# Each installs what it needs: Debian packages (bubblewrap, git) when missing, and a Python
+# 3.12 venv in .venv with sandpool and its test dependencies.
+
+SHELL := /bin/bash
+VENV  := .venv
+# Python 3.12 for the dev venv: python3.12 on PATH, else pyenv's newest 3.12.
+PY312 := $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/versions/3.12*/bin/python3.12 2>/dev/null | sort -V | tail -1); do \
+           $$p -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null && { command -v $$p || echo $$p; } && break; done)
+RUN_ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test sysdeps venv cluster-build bench clean
+
+sysdeps:
+	@command -v bwrap >/dev/null && command -v git >/dev/null || { \
+	  echo "installing bubblewrap and git (Debian packages)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap git >/dev/null; }
+
+$(VENV)/.installed: pyproject.toml
+	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. pyenv install 3.12) and retry"; exit 1; }
+	$(PY312) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+## The main job: the default task pack x 4 rollouts, oracle and noop policies, local sandboxes.
+run: sysdeps venv
+	$(VENV)/bin/sandpool run $(RUN_ARGS)
+
+## The test suite: unit, real bubblewrap sandboxes, the local Kubernetes cluster, integrations.
+test: sysdeps venv cluster-build
+	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/nox -s nemo_gym
+
+cluster-build: venv
+	$(VENV)/bin/python hack/cluster/cluster.py build
+
+bench: sysdeps venv
+	$(VENV)/bin/python bench/local_strategies.py
+
+clean:
+	rm -rf $(VENV) .venvs .nox reports

@@ -1,0 +1,131 @@
+"""Benchmark: cold vs warm vs reuse on the local backend, same workload, side by side.
+
+Runs N tasks x k rollouts (default 8 x 4) at concurrency 8 from the default task pack under each
+strategy, prints the figures side by side, and writes ``local_strategies.json``,
+``local_strategies.txt`` and ``local_strategies_ttfc_cdf.png`` (CDF of TTFC) to ``--out``.
+
+    .venv/bin/python bench/local_strategies.py [--tasks 8] [--rollouts 4] [--concurrency 8]
+
+Targets on a 2-core machine: warm TTFC p50 <= 20 ms; reuse max TTFC >= 10x below cold max;
+reuse creates no more sandboxes than the concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from sandpool.core.backends.local import LocalBackend  # noqa: E402
+from sandpool.core.metrics import Report  # noqa: E402
+from sandpool.envs.policies import NoopPolicy, OraclePolicy  # noqa: E402
+from sandpool.envs.runner import run_batch  # noqa: E402
+from sandpool.envs.taskpack import abuild_default_pack  # noqa: E402
+from sandpool.envs.tasks import load_tasks  # noqa: E402
+
+STRATEGIES = ("cold", "warm", "reuse")
+
+
+def _spread(tasks, n):
+    """Pick ``n`` tasks round-robin across images, so every image is in the workload."""
+    by: dict[str, list] = {}
+    for t in tasks:
+        by.setdefault(t.image, []).append(t)
+    out, i = [], 0
+    while len(out) < n and any(by.values()):
+        queue = list(by.values())[i % len(by)]
+        if queue:
+            out.append(queue.pop(0))
+        i += 1
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def table(reports: dict[str, Report]) -> str:
+    """Render the side-by-side table (milliseconds for TTFC, seconds for wall time)."""
+    rows = [
+        ("TTFC mean (ms)", lambda r: _ms(r.ttfc.mean_s)),
+        ("TTFC p50 (ms)", lambda r: _ms(r.ttfc.p50_s)),
+        ("TTFC p95 (ms)", lambda r: _ms(r.ttfc.p95_s)),
+        ("TTFC p99 (ms)", lambda r: _ms(r.ttfc.p99_s)),
+        ("TTFC max (ms)", lambda r: _ms(r.ttfc.max_s)),
+        ("sandboxes created", lambda r: str(r.sandboxes_created)),
+        ("resets / quarantines", lambda r: f"{r.resets} / {r.quarantines}"),
+        ("completed/infra/task", lambda r: "/".join(str(v) for v in r.failures.values())),
+        ("reward mean", lambda r: "-" if r.reward.mean is None else f"{r.reward.mean:.3f}"),
+        ("wall time (s)", lambda r: f"{r.wall_time_s:.1f}"),
+    ]
+    names = list(reports)
+    lines = [f"{'':<22}" + "".join(f"{n:>12}" for n in names)]
+    lines += [f"{label:<22}" + "".join(f"{fn(reports[n]):>12}" for n in names) for label, fn in rows]
+    return "\n".join(lines)
+
+
+def verdicts(reports: dict[str, Report], concurrency: int) -> list[str]:
+    """The issue's three targets, each with its measured figure and PASS/MISS."""
+    warm, cold, reuse = reports["warm"], reports["cold"], reports["reuse"]
+    ratio = (cold.ttfc.max_s or 0) / (reuse.ttfc.max_s or float("inf"))
+    checks = [
+        (f"warm TTFC p50 {_ms(warm.ttfc.p50_s)} ms <= 20 ms", (warm.ttfc.p50_s or 1) <= 0.020),
+        (f"cold max / reuse max = {ratio:.1f}x >= 10x", ratio >= 10),
+        (f"reuse created {reuse.sandboxes_created} <= concurrency {concurrency}",
+         reuse.sandboxes_created <= concurrency),
+    ]
+    return [f"{'PASS' if ok else 'MISS'}  {text}" for text, ok in checks]
+
+
+def plot(reports: dict[str, Report], path: Path) -> None:
+    """Draw the CDF of per-claim TTFC for each strategy (log-scale milliseconds)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, rep in reports.items():
+        xs = sorted(r.ttfc_s * 1000 for r in rep.rollouts if r.ttfc_s is not None)
+        ys = [(i + 1) / len(xs) for i in range(len(xs))]
+        ax.step(xs, ys, where="post", label=f"{name} (max {xs[-1]:.0f} ms)" if xs else name)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to first command (ms, log scale)")
+    ax.set_ylabel("fraction of rollouts")
+    ax.set_title("TTFC CDF, local backend")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tasks", type=int, default=8)
+    ap.add_argument("--rollouts", type=int, default=4)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--out", type=Path, default=Path("reports/bench"))
+    args = ap.parse_args()
+    tasks = _spread(load_tasks(await abuild_default_pack()), args.tasks)
+    reports: dict[str, Report] = {}
+    for name in STRATEGIES:
+        reports[name] = await run_batch(tasks, [OraclePolicy(), NoopPolicy()], LocalBackend(),
+                                        rollouts_per_task=args.rollouts, concurrency=args.concurrency,
+                                        strategy=name)
+        print(f"{name}: done in {reports[name].wall_time_s:.1f} s", flush=True)
+    head = (f"local strategies: {len(tasks)} tasks x {args.rollouts} rollouts, "
+            f"{len({t.image for t in tasks})} images, concurrency {args.concurrency}")
+    text = "\n".join([head, table(reports), "", *verdicts(reports, args.concurrency)])
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "local_strategies.txt").write_text(text + "\n")
+    (args.out / "local_strategies.json").write_text(json.dumps(
+        {n: r.model_dump(mode="json") for n, r in reports.items()}, indent=2))
+    plot(reports, args.out / "local_strategies_ttfc_cdf.png")
+    print(f"wrote {args.out}/local_strategies.{{txt,json}} and local_strategies_ttfc_cdf.png")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
