@@ -16,7 +16,7 @@ class MemorySandbox(Sandbox):
 
     def __init__(self, sid: str, image: str) -> None:
         self.id, self.image, self.workdir = sid, image, "/testbed"
-        self.head = "0" * 40
+        self.at = "0" * 40  # the commit its workdir is at
         self.dead = False
         self.dirty = False
         self.fail_next_exec: errors.SandpoolError | None = None
@@ -33,11 +33,11 @@ class MemorySandbox(Sandbox):
             raise exc
         self.commands.append(cmd)
         if m := re.search(r"checkout -q -f --detach '?([0-9a-f]{40})", cmd):
-            self.head = m.group(1)
+            self.at = m.group(1)
             self.dirty = False
         if "rev-parse HEAD && echo" in cmd:  # verification
             status = " M calc.py\n" if self.dirty else ""
-            return ExecResult(0, f"{self.head}\n@@sandpool-verify@@\n{status}@@sandpool-verify@@\n".encode())
+            return ExecResult(0, f"{self.at}\n@@sandpool-verify@@\n{status}@@sandpool-verify@@\n".encode())
         return ExecResult(0, b"ok\n")
 
     async def read_file(self, path: str) -> bytes:
@@ -58,13 +58,16 @@ class MemoryBackend(Backend):
 
     Attributes:
         fail_creates: Number of upcoming creations that raise ``SandboxStartError``.
+        head: Commit new sandboxes report as their pristine ``head`` (None: unknown).
         created_at: Monotonic times of every creation, for rate-limit tests.
     """
 
     name = "memory"
 
-    def __init__(self, images: set[str] | None = None, create_delay: float = 0.0) -> None:
+    def __init__(self, images: set[str] | None = None, create_delay: float = 0.0,
+                 head: str | None = None) -> None:
         self.images = images
+        self.head = head
         self.create_delay = create_delay
         self.fail_creates = 0
         self.created_at: list[float] = []
@@ -83,6 +86,8 @@ class MemoryBackend(Backend):
             self.fail_creates -= 1
             raise errors.SandboxStartError("scripted start failure")
         sb = MemorySandbox(f"mem-{next(self._ids)}", image)
+        if self.head is not None:
+            sb.head = sb.at = self.head
         self.live[sb.id] = sb
         return sb
 

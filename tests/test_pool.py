@@ -208,3 +208,16 @@ async def test_close_deletes_leased_and_idle_sandboxes():
         await pool.acquire(task(0))
         assert backend.live
     assert backend.live == {}
+
+
+async def test_fresh_sandbox_at_the_task_commit_needs_no_checkout():
+    backend = MemoryBackend(head=task(2).base_commit)  # as for a per-task image
+    async with SandboxPool(backend, "warm") as pool:
+        await pool.prepare([task(2), task(3)], concurrency=2)
+        lease = await pool.acquire(task(2))
+        await lease.exec("echo first")
+        assert lease.sandbox.commands == ["echo first"]
+        other = await pool.acquire(task(3))  # at another commit: checked out first
+        assert "checkout" in other.sandbox.commands[0]
+        await pool.release(lease)
+        await pool.release(other)

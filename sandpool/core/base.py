@@ -95,11 +95,14 @@ class Sandbox(abc.ABC):
         id: Unique id of this sandbox, stable for its lifetime.
         image: The image it was started from.
         workdir: Absolute path of the task repository inside the sandbox.
+        head: The commit a fresh sandbox's workdir is at, pristine, when the backend knows it
+            from the image (then a claim for that commit needs no checkout); else None.
     """
 
     id: str
     image: str
     workdir: str
+    head: str | None = None
 
     @abc.abstractmethod
     async def exec(
@@ -178,6 +181,26 @@ class Backend(abc.ABC):
         Raises:
             ImageNotFound: The image does not exist and cannot be obtained.
         """
+
+    async def set_warm_target(self, image: str, n: int, *, reuse: bool) -> int:
+        """Take the strategy's warm-pool target of ``n`` sandboxes for ``image``.
+
+        A backend with a warm pool of its own (agent-sandbox's SandboxWarmPool) keeps some
+        or all of them there and returns how many the pool must still keep itself, by
+        :meth:`create`. The default keeps none: the pool keeps all ``n``.
+
+        Args:
+            image: The image.
+            n: Warm sandboxes the strategy wants for it (0 for none).
+            reuse: Whether the strategy resets sandboxes in place and keeps them.
+
+        Returns:
+            How many warm sandboxes the pool keeps itself (``0 <= result <= n``).
+        """
+        return n
+
+    async def wait_warm(self) -> None:
+        """Wait until the backend's own warm pools (see :meth:`set_warm_target`) are filled."""
 
     @abc.abstractmethod
     async def create(self, image: str) -> Sandbox:

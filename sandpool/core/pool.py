@@ -432,9 +432,11 @@ class SandboxPool:
     async def release(self, lease: Lease, *, reusable: bool = True) -> None:
         """Return a leased sandbox: reset it in place for reuse, or delete it.
 
-        With a reusing strategy and a healthy sandbox the reset runs in the background, off
-        the next claim's path; a sandbox failing verification is quarantined (deleted and
-        counted). Releasing twice is a no-op.
+        With a reusing strategy and a healthy sandbox this returns once the in-place reset is
+        verified (or the sandbox quarantined: deleted and counted), so the reset is part of
+        ending the rollout, not of the next claim; its duration is reported as reset time.
+        Otherwise the delete runs in the background. Releasing twice is a no-op; cancelling
+        the caller does not interrupt a reset.
         """
         if lease.released:
             return
@@ -454,7 +456,7 @@ class SandboxPool:
             return
         entry.state = SandboxState.RESETTING
         img.resetting += 1
-        self._spawn(self._reset(entry, lease.task.base_commit))
+        await asyncio.shield(self._spawn(self._reset(entry, lease.task.base_commit)))
 
     # -- the one place where state changes -------------------------------------------------
 
@@ -525,10 +527,11 @@ class SandboxPool:
 
     # -- I/O, outside _assign ----------------------------------------------------------------
 
-    def _spawn(self, coro) -> None:  # type: ignore[no-untyped-def]
+    def _spawn(self, coro) -> asyncio.Task[None]:  # type: ignore[no-untyped-def]
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def _create(self, name: str) -> None:
         img = self._images[name]
@@ -547,7 +550,7 @@ class SandboxPool:
         if self.state is not PoolState.OPEN:
             await self._delete(sandbox)
             return
-        img.idle.append(_Entry(sandbox, name))
+        img.idle.append(_Entry(sandbox, name, head=sandbox.head))
         self._assign()
 
     def _create_failed(self, name: str, exc: errors.SandpoolError) -> None:
@@ -573,6 +576,7 @@ class SandboxPool:
 
     async def _reset(self, entry: _Entry, commit: str) -> None:
         img = self._images[entry.image]
+        t0 = time.monotonic()
         try:
             outcome = await asyncio.wait_for(
                 reset_in_place(entry.sandbox, commit, timeout=self.limits.reset_timeout),
@@ -582,6 +586,7 @@ class SandboxPool:
         except (errors.SandpoolError, TimeoutError) as exc:
             problems = [f"reset failed: {type(exc).__name__}: {exc}"]
         img.resetting -= 1
+        self.counters.reset_time(time.monotonic() - t0)
         if self.state is not PoolState.OPEN:
             await self._delete(entry.sandbox)
             return

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import signal
+import subprocess
 import uuid
 from pathlib import Path, PurePosixPath
 
@@ -68,6 +69,7 @@ class LocalImage(BaseModel):
         venv: Absolute path of the image's venv (bind-mounted read-only at the same path).
         repo: Absolute path of the git repo that becomes ``workdir`` (overlay lower layer).
         workdir: Where the repo appears inside the sandbox.
+        head: The repo's HEAD commit, read when the image is loaded (not from the file).
     """
 
     name: str
@@ -75,6 +77,7 @@ class LocalImage(BaseModel):
     venv: str
     repo: str
     workdir: str = "/testbed"
+    head: str | None = None
 
 
 class LocalSandbox(Sandbox):
@@ -88,6 +91,7 @@ class LocalSandbox(Sandbox):
         self.id = sid
         self.image = image.name
         self.workdir = image.workdir
+        self.head = image.head
         self.state_dir = state_dir
         self._proc = proc
         self._pending: dict[int, asyncio.Future[dict]] = {}
@@ -336,6 +340,9 @@ class LocalBackend(Backend):
                 raise errors.ImageNotFound(
                     f"image {name!r}: {field} directory {getattr(img, field)} is missing; rebuild the image"
                 )
+        rev = subprocess.run(["git", "-C", img.repo, "rev-parse", "-q", "--verify", "HEAD"],
+                             capture_output=True, text=True)
+        img = img.model_copy(update={"head": rev.stdout.strip() or None})
         self._images[name] = img
         return img
 

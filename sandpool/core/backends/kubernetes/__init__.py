@@ -1,0 +1,41 @@
+"""The Kubernetes backend: agent-sandbox (v1beta1) warm pools and claims, or plain pods.
+
+Layout: :mod:`.backend` (the backend and sandbox), :mod:`._http` (REST/watch/exec over one
+session, throttled and retried), :mod:`._errors` (the one error-translation boundary),
+:mod:`._watch` (the shared watch per resource), :mod:`._exec` (the exec channel protocol
+and the in-pod command wrapper), :mod:`._manifests` (the objects sent).
+
+The client library (``kubernetes_asyncio``, with ``aiohttp``; the ``sandpool[kubernetes]``
+extra) is imported on first use of a name from this package, never by :mod:`sandpool.core`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "ImageMap",
+    "KubernetesBackend",
+    "KubernetesSandbox",
+    "PodImage",
+    "gc",
+    "local_pack_image_map",
+]
+
+_WHERE = {"PodImage": "_manifests"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(name)
+    try:
+        mod = importlib.import_module(f"{__name__}.{_WHERE.get(name, 'backend')}")
+    except ImportError as exc:
+        from sandpool.core.errors import BackendUnavailable
+
+        raise BackendUnavailable(
+            f"the kubernetes backend needs {exc.name or 'kubernetes_asyncio'}; "
+            "install it with: pip install 'sandpool[kubernetes]'"
+        ) from exc
+    return getattr(mod, name)

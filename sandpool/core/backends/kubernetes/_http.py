@@ -1,0 +1,298 @@
+"""The HTTP layer of the Kubernetes backend: REST, watch and exec over one aiohttp session.
+
+kubernetes_asyncio loads the kubeconfig (TLS client certificates, bearer tokens, exec
+plugins) and builds the TLS session; requests go straight over that session so that
+throttling, retries and error translation sit in one place:
+
+* writes (POST/PUT/PATCH/DELETE) pass a client-side token bucket (``qps``, ``burst``);
+* every REST request holds one of ``max_inflight`` slots (watches and exec streams do not);
+* 429, 5xx and connection errors are retried with exponential backoff and jitter, and a
+  ``Retry-After`` header sets the wait; after ``retries`` retries the error is raised;
+* every lower-layer error is translated by :mod:`._errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+from urllib.parse import urlencode
+
+import aiohttp
+from aiolimiter import AsyncLimiter
+
+from sandpool.core import errors
+from sandpool.core.backends.kubernetes._errors import RETRY_STATUSES, Channel, for_status, translate
+
+__all__ = ["KubeHttp", "Throttle", "backoff_delay", "parse_retry_after"]
+
+_WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+def parse_retry_after(value: str | None, *, cap: float = 30.0) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header (delta-seconds form), capped; else None."""
+    if not value:
+        return None
+    try:
+        return min(cap, max(0.0, float(value.strip())))
+    except ValueError:
+        return None  # the HTTP-date form is not sent by kube-apiserver
+
+
+def backoff_delay(
+    attempt: int, *, base: float = 0.1, cap: float = 5.0, retry_after: float | None = None
+) -> float:
+    """Delay in seconds before retry ``attempt`` (1-based): ``Retry-After`` if given, else
+    ``base * 2**(attempt-1)`` capped at ``cap``, with up to 50 % full jitter."""
+    if retry_after is not None:
+        return retry_after
+    d = min(cap, base * (2 ** (attempt - 1)))
+    return d * (0.5 + random.random() / 2)
+
+
+class Throttle:
+    """Client-side bounds on API traffic: a write token bucket and an in-flight cap.
+
+    Usage: ``async with throttle.slot(write=True): ...`` around one request.
+
+    Args:
+        qps: Sustained writes per second.
+        burst: Writes allowed back to back (bucket size).
+        max_inflight: Requests in flight at once (reads and writes).
+    """
+
+    def __init__(self, qps: float, burst: int, max_inflight: int) -> None:
+        if qps <= 0 or burst < 1 or max_inflight < 1:
+            raise errors.ConfigError(
+                f"qps={qps}, burst={burst}, max_inflight={max_inflight}: all must be positive"
+            )
+        self.qps, self.burst, self.max_inflight = qps, burst, max_inflight
+        self._bucket = AsyncLimiter(burst, burst / qps)
+        self._inflight = asyncio.Semaphore(max_inflight)
+        self.inflight_peak = 0
+        self._inflight_now = 0
+
+    def slot(self, *, write: bool) -> _Slot:
+        """A context manager holding one in-flight slot (and one write token if ``write``)."""
+        return _Slot(self, write)
+
+
+class _Slot:
+    def __init__(self, throttle: Throttle, write: bool) -> None:
+        self._t, self._write = throttle, write
+
+    async def __aenter__(self) -> None:
+        if self._write:
+            await self._t._bucket.acquire()
+        await self._t._inflight.acquire()
+        self._t._inflight_now += 1
+        self._t.inflight_peak = max(self._t.inflight_peak, self._t._inflight_now)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._t._inflight_now -= 1
+        self._t._inflight.release()
+
+
+class KubeHttp:
+    """REST, watch and exec requests to one kube-apiserver.
+
+    Args:
+        api_client: A ``kubernetes_asyncio.client.ApiClient`` built from the kubeconfig; its
+            aiohttp session (TLS, connection pool) carries every request.
+        throttle: Write rate and in-flight bounds.
+        retries: Retries after the first attempt on 429/5xx/connection errors.
+        request_timeout: Seconds one REST request may take.
+    """
+
+    def __init__(
+        self,
+        api_client: Any,
+        throttle: Throttle,
+        *,
+        retries: int = 6,
+        request_timeout: float = 30.0,
+    ) -> None:
+        self.api_client = api_client
+        self.host = api_client.configuration.host.rstrip("/")
+        self.throttle = throttle
+        self.retries = retries
+        self.request_timeout = request_timeout
+        self.writes = 0  #: write requests sent (every attempt counts)
+        self.reads = 0  #: read requests sent
+        self.execs = 0  #: exec streams opened
+        self.retried = 0  #: attempts that were retried
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        return self.api_client.rest_client.pool_manager
+
+    async def headers(self) -> dict[str, str]:
+        """Authorization headers from the kubeconfig (bearer token, refreshed if a hook is set)."""
+        auth = await self.api_client.configuration.auth_settings()
+        h = {"Accept": "application/json"}
+        if "BearerToken" in auth:
+            h["Authorization"] = auth["BearerToken"]["value"]
+        return h
+
+    def url(self, path: str, query: Mapping[str, Any] | None = None) -> str:
+        q = {k: v for k, v in (query or {}).items() if v is not None}
+        return self.host + path + (("?" + urlencode(q, doseq=True)) if q else "")
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        ok_missing: bool = False,
+        ok_exists: bool = False,
+        content_type: str = "application/json",
+    ) -> dict[str, Any] | None:
+        """Send one REST request, throttled and retried; return the decoded JSON answer.
+
+        Args:
+            method: HTTP verb.
+            path: API path, e.g. ``/api/v1/namespaces/ns/pods``.
+            body: JSON-serializable body.
+            query: Query parameters.
+            ok_missing: Return None on 404 instead of raising.
+            ok_exists: Return None on 409 AlreadyExists (idempotent create).
+            content_type: Body content type (merge patches use
+                ``application/merge-patch+json``).
+
+        Raises:
+            ApiError: 429/5xx/connection errors after the retry budget, or a conflict.
+            BackendUnavailable: 401/403 (RBAC) or broken TLS/kubeconfig.
+            ConfigError: 400/422, the server rejected the object.
+            InfraTimeout: No answer within ``request_timeout`` on every attempt.
+        """
+        method = method.upper()
+        write = method in _WRITE_VERBS
+        what = f"{method} {path}"
+        data = json.dumps(body) if body is not None else None
+        attempt = 0
+        while True:
+            attempt += 1
+            retry_after = None
+            try:
+                async with self.throttle.slot(write=write):
+                    if write:
+                        self.writes += 1
+                    else:
+                        self.reads += 1
+                    headers = await self.headers()
+                    if data is not None:
+                        headers["Content-Type"] = content_type
+                    async with self.session.request(
+                        method,
+                        self.url(path, query),
+                        data=data,
+                        headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+                    ) as resp:
+                        text = await resp.text()
+                        status = resp.status
+                        retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+                if status < 400:
+                    return json.loads(text) if text else {}
+                if status == 404 and ok_missing:
+                    return None
+                if status == 409 and (ok_exists or (attempt > 1 and method == "POST")):
+                    # AlreadyExists: ours from an earlier attempt whose answer was lost.
+                    return None
+                if status not in RETRY_STATUSES or attempt > self.retries:
+                    raise for_status(status, what, text)
+            except (
+                aiohttp.ClientConnectionError,
+                aiohttp.ClientPayloadError,
+                TimeoutError,
+                OSError,
+            ) as exc:
+                if attempt > self.retries:
+                    raise translate(exc, what) from exc
+            except errors.SandpoolError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - translated at this one boundary
+                raise translate(exc, what) from exc
+            self.retried += 1
+            await asyncio.sleep(backoff_delay(attempt, retry_after=retry_after))
+
+    async def watch(self, path: str, query: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """Yield watch events (``{"type", "object"}``) from one watch request until it ends.
+
+        Raises:
+            ApiError, BackendUnavailable, ...: As :meth:`request`; a 410 Gone is raised as
+                :class:`ApiError` with ``status=410`` for the caller to re-list.
+        """
+        what = f"WATCH {path}"
+        q = dict(query, watch="true", allowWatchBookmarks="true")
+        try:
+            async with self.session.get(
+                self.url(path, q),
+                headers=await self.headers(),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None),
+            ) as resp:
+                self.reads += 1
+                if resp.status >= 400:
+                    raise for_status(resp.status, what, await resp.text())
+                async for line in resp.content:
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    if event.get("type") == "ERROR":
+                        obj = event.get("object") or {}
+                        raise errors.ApiError(
+                            f"{what}: {obj.get('message', obj)}", status=obj.get("code")
+                        )
+                    yield event
+        except errors.SandpoolError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated at this one boundary
+            raise translate(exc, what, channel=Channel.WATCH) from exc
+
+    async def ws_connect(
+        self,
+        path: str,
+        query: list[tuple[str, str]],
+        protocols: tuple[str, ...],
+        *,
+        connect_timeout: float = 30.0,
+    ) -> aiohttp.ClientWebSocketResponse:
+        """Open a WebSocket to ``path`` (the exec subresource), retrying 429/5xx handshakes.
+
+        Raises:
+            SandboxDied: 404, the pod is gone.
+            ExecTransportError: The handshake failed after retries.
+            BackendUnavailable: 401/403.
+        """
+        url = self.host.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
+        url += path + "?" + urlencode(query)
+        what = f"EXEC {path}"
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                self.execs += 1
+                return await asyncio.wait_for(
+                    self.session.ws_connect(
+                        url,
+                        protocols=protocols,
+                        headers=await self.headers(),
+                        max_msg_size=0,
+                        autoping=True,
+                    ),
+                    connect_timeout,
+                )
+            except aiohttp.WSServerHandshakeError as exc:
+                if exc.status not in RETRY_STATUSES or attempt > 3:
+                    raise translate(exc, what, channel=Channel.EXEC) from exc
+            except (aiohttp.ClientConnectionError, OSError) as exc:
+                if attempt > 3:
+                    raise translate(exc, what, channel=Channel.EXEC) from exc
+            except Exception as exc:  # noqa: BLE001 - translated at this one boundary
+                raise translate(exc, what, channel=Channel.EXEC) from exc
+            self.retried += 1
+            await asyncio.sleep(backoff_delay(attempt))

@@ -1,0 +1,175 @@
+"""Manifests the backend sends: agent-sandbox v1beta1 objects and plain Pods.
+
+Field names follow the v1.0.3 Go types: ``SandboxTemplate.spec.podTemplate`` (the shared
+``SandboxBlueprint``), ``SandboxWarmPool.spec.{replicas,sandboxTemplateRef.name}``,
+``SandboxClaim.spec.warmPoolRef.name``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "CLAIM",
+    "EXT_GROUP",
+    "MANAGED_BY",
+    "PodImage",
+    "RUN_ID_LABEL",
+    "TEMPLATE",
+    "VERSION",
+    "WARMPOOL",
+    "claim",
+    "image_key",
+    "pod",
+    "pod_spec",
+    "template",
+    "warm_pool",
+]
+
+EXT_GROUP = "extensions.agents.x-k8s.io"
+CORE_GROUP = "agents.x-k8s.io"
+VERSION = "v1beta1"
+TEMPLATE, WARMPOOL, CLAIM, SANDBOX = (
+    "sandboxtemplates",
+    "sandboxwarmpools",
+    "sandboxclaims",
+    "sandboxes",
+)
+RUN_ID_LABEL = "sandpool.io/run-id"
+IMAGE_LABEL = "sandpool.io/image"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "sandpool"}
+WORKDIR_SOURCE = "sandpool.io/workdir-source"
+#: The provisioner's annotation with the pod's workdir on the node host (kwok).
+HOST_WORKDIR = "sandpool.io/workdir"
+PROVISION_ERROR = "sandpool.io/provision-error"
+
+
+@dataclass(frozen=True)
+class PodImage:
+    """What one task image becomes in a pod.
+
+    Usage: ``PodImage("ghcr-mirror.example/swe/toolz:1.0", workdir="/testbed")``.
+
+    Attributes:
+        image: The container image reference.
+        workdir: Path of the task repo inside the container (SWE-bench images: ``/testbed``).
+        workdir_source: Host directory the local cluster copies into the pod's workdir
+            (annotation ``sandpool.io/workdir-source``); None on real clusters.
+        env: Literal environment variables of the container.
+        head: The commit the image's workdir is at, when known (the pool then skips the
+            checkout on a fresh sandbox's first claim for that commit).
+    """
+
+    image: str
+    workdir: str = "/testbed"
+    workdir_source: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+    head: str | None = None
+
+
+def image_key(image: str) -> str:
+    """A short, label-safe, stable key for an image name (8 hex of its SHA-256)."""
+    return hashlib.sha256(image.encode()).hexdigest()[:8]
+
+
+def slug(image: str, n: int = 16) -> str:
+    """A DNS-label-safe fragment of an image name, for readable object names."""
+    tail = image.rsplit("/", 1)[-1]
+    return re.sub(r"[^a-z0-9]+", "-", tail.lower()).strip("-")[:n].strip("-") or "img"
+
+
+def labels(run_id: str, image: str | None = None) -> dict[str, str]:
+    out = {RUN_ID_LABEL: run_id, **MANAGED_BY}
+    if image is not None:
+        out[IMAGE_LABEL] = image_key(image)
+    return out
+
+
+def pod_spec(
+    pi: PodImage,
+    *,
+    container: str,
+    command: Sequence[str],
+    resources: Mapping[str, Any],
+    runtime_class: str | None,
+    node_selector: Mapping[str, str] | None,
+    tolerations: Sequence[Mapping[str, Any]] | None,
+) -> dict[str, Any]:
+    """The PodSpec shared by templates and plain pods: one long-sleeping container."""
+    spec: dict[str, Any] = {
+        "containers": [
+            {
+                "name": container,
+                "image": pi.image,
+                "command": list(command),
+                "workingDir": pi.workdir,
+                "env": [{"name": k, "value": v} for k, v in pi.env.items()],
+                "resources": dict(resources),
+            }
+        ],
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 0,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+    }
+    if runtime_class:
+        spec["runtimeClassName"] = runtime_class
+    if node_selector:
+        spec["nodeSelector"] = dict(node_selector)
+    if tolerations:
+        spec["tolerations"] = [dict(t) for t in tolerations]
+    return spec
+
+
+def _pod_meta(run_id: str, image: str, pi: PodImage) -> dict[str, Any]:
+    ann = {WORKDIR_SOURCE: pi.workdir_source} if pi.workdir_source else {}
+    return {"labels": labels(run_id, image), "annotations": ann}
+
+
+def template(
+    name: str, run_id: str, image: str, pi: PodImage, spec: dict[str, Any]
+) -> dict[str, Any]:
+    """A SandboxTemplate (mirrors agent-sandbox v1beta1 SandboxTemplate) for one image."""
+    return {
+        "apiVersion": f"{EXT_GROUP}/{VERSION}",
+        "kind": "SandboxTemplate",
+        "metadata": {"name": name, "labels": labels(run_id, image)},
+        "spec": {
+            "podTemplate": {"metadata": _pod_meta(run_id, image, pi), "spec": spec},
+            # No NetworkPolicy per template: sandboxes get none of their own (the pod spec
+            # decides), and a test cluster has no CNI to enforce one.
+            "networkPolicyManagement": "Unmanaged",
+        },
+    }
+
+
+def warm_pool(
+    name: str, run_id: str, image: str, template_name: str, replicas: int
+) -> dict[str, Any]:
+    """A SandboxWarmPool (mirrors agent-sandbox v1beta1 SandboxWarmPool) of ``replicas``."""
+    return {
+        "apiVersion": f"{EXT_GROUP}/{VERSION}",
+        "kind": "SandboxWarmPool",
+        "metadata": {"name": name, "labels": labels(run_id, image)},
+        "spec": {"replicas": replicas, "sandboxTemplateRef": {"name": template_name}},
+    }
+
+
+def claim(name: str, run_id: str, image: str, pool_name: str) -> dict[str, Any]:
+    """A SandboxClaim (mirrors agent-sandbox v1beta1 SandboxClaim) on warm pool ``pool_name``."""
+    return {
+        "apiVersion": f"{EXT_GROUP}/{VERSION}",
+        "kind": "SandboxClaim",
+        "metadata": {"name": name, "labels": labels(run_id, image)},
+        "spec": {"warmPoolRef": {"name": pool_name}},
+    }
+
+
+def pod(name: str, run_id: str, image: str, pi: PodImage, spec: dict[str, Any]) -> dict[str, Any]:
+    """A plain Pod for one rollout (the ``pods`` mode)."""
+    meta = _pod_meta(run_id, image, pi)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **meta}, "spec": spec}

@@ -1,0 +1,303 @@
+"""Kubernetes backend pieces that need no cluster: error translation, exit status parsing,
+the write throttle and the retry loop (against a loopback HTTP server)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.config import ConfigException
+from multidict import CIMultiDict, CIMultiDictProxy
+from yarl import URL
+
+from sandpool.core import errors
+from sandpool.core.backends.kubernetes import _manifests as m
+from sandpool.core.backends.kubernetes._errors import Channel, for_status, translate
+from sandpool.core.backends.kubernetes._exec import ExecTarget, build_argv, parse_status
+from sandpool.core.backends.kubernetes._http import (
+    KubeHttp,
+    Throttle,
+    backoff_delay,
+    parse_retry_after,
+)
+
+
+def _request_info() -> aiohttp.RequestInfo:
+    url = URL("https://127.0.0.1:6443/api/v1/namespaces/ns/pods/p/exec")
+    return aiohttp.RequestInfo(url, "GET", CIMultiDictProxy(CIMultiDict()), url)
+
+
+# Every lower-layer exception the backend can see, and what it must become, per channel.
+LOWER_LAYER = [
+    (aiohttp.ClientConnectionError("refused"), errors.ApiError, errors.ExecTransportError),
+    (aiohttp.ServerDisconnectedError(), errors.ApiError, errors.ExecTransportError),
+    (aiohttp.ClientOSError(104, "reset"), errors.ApiError, errors.ExecTransportError),
+    (aiohttp.ClientPayloadError("cut"), errors.ApiError, errors.ExecTransportError),
+    (aiohttp.WebSocketError(1006, "abnormal close"), errors.ApiError, errors.ExecTransportError),
+    (
+        aiohttp.WSServerHandshakeError(_request_info(), (), status=404, message="not found"),
+        errors.ApiError,
+        errors.SandboxDied,
+    ),
+    (
+        aiohttp.WSServerHandshakeError(_request_info(), (), status=403, message="forbidden"),
+        errors.BackendUnavailable,
+        errors.BackendUnavailable,
+    ),
+    (
+        aiohttp.WSServerHandshakeError(_request_info(), (), status=500, message="boom"),
+        errors.ApiError,
+        errors.ExecTransportError,
+    ),
+    (
+        aiohttp.ClientResponseError(_request_info(), (), status=503, message="busy"),
+        errors.ApiError,
+        errors.ExecTransportError,
+    ),
+    (
+        aiohttp.WSMessageTypeError("unexpected TEXT frame"),
+        errors.ApiError,
+        errors.ExecTransportError,
+    ),
+    (ConnectionResetError("reset"), errors.ApiError, errors.ExecTransportError),
+    (OSError("no route"), errors.ApiError, errors.ExecTransportError),
+    (TimeoutError(), errors.InfraTimeout, errors.ExecTransportError),
+    (ssl.SSLError("bad certificate"), errors.BackendUnavailable, errors.BackendUnavailable),
+    (ConfigException("no current context"), errors.BackendUnavailable, errors.BackendUnavailable),
+    (FileNotFoundError("kubeconfig"), errors.BackendUnavailable, errors.BackendUnavailable),
+    (json.JSONDecodeError("bad", "{", 0), errors.ApiError, errors.ExecTransportError),
+    (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), errors.ApiError, errors.ExecTransportError),
+]
+
+
+@pytest.mark.parametrize(("exc", "rest", "exec_"), LOWER_LAYER, ids=lambda v: type(v).__name__)
+def test_every_lower_layer_exception_is_translated(exc, rest, exec_):
+    got_rest = translate(exc, "GET /x", channel=Channel.REST)
+    got_exec = translate(exc, "exec", channel=Channel.EXEC)
+    assert type(got_rest) is rest, got_rest
+    assert type(got_exec) is exec_, got_exec
+    assert str(got_rest) and str(got_exec)
+
+
+def test_every_aiohttp_error_class_falls_in_a_translated_family():
+    families = (
+        aiohttp.ClientError,
+        aiohttp.WebSocketError,
+        aiohttp.WSMessageTypeError,
+        OSError,
+        TimeoutError,
+        ValueError,
+    )
+    classes = [getattr(aiohttp, n) for n in dir(aiohttp) if n.endswith("Error")]
+    classes = [c for c in classes if isinstance(c, type) and issubclass(c, Exception)]
+    assert len(classes) > 10
+    assert [c.__name__ for c in classes if not issubclass(c, families)] == []
+
+
+def test_an_unknown_exception_is_not_silently_mapped():
+    with pytest.raises(TypeError, match="no sandpool mapping"):
+        translate(KeyError("x"), "GET /x")
+
+
+def test_sandpool_errors_pass_through_unchanged():
+    exc = errors.SandboxDied("gone")
+    assert translate(exc, "exec", channel=Channel.EXEC) is exc
+
+
+@pytest.mark.parametrize(
+    ("status", "channel", "cls"),
+    [
+        (401, Channel.REST, errors.BackendUnavailable),
+        (403, Channel.REST, errors.BackendUnavailable),
+        (400, Channel.REST, errors.ConfigError),
+        (422, Channel.REST, errors.ConfigError),
+        (409, Channel.REST, errors.ApiError),
+        (429, Channel.REST, errors.ApiError),
+        (500, Channel.REST, errors.ApiError),
+        (503, Channel.WATCH, errors.ApiError),
+        (404, Channel.EXEC, errors.SandboxDied),
+        (500, Channel.EXEC, errors.ExecTransportError),
+        (403, Channel.EXEC, errors.BackendUnavailable),
+    ],
+)
+def test_http_statuses_map_by_what_the_caller_should_do(status, channel, cls):
+    got = for_status(status, "POST /apis/x", '{"message": "m"}', channel=channel)
+    assert type(got) is cls
+    if cls is errors.ApiError:
+        assert got.status == status
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (b'{"status": "Success"}', 0),
+        (
+            b'{"status": "Failure", "message": "command terminated with non-zero exit code: '
+            b'error executing command [sh -c exit 3], exit status 3"}',
+            3,
+        ),
+        (
+            b'{"status": "Failure", "reason": "NonZeroExitCode", "details": {"causes": '
+            b'[{"reason": "ExitCode", "message": "7"}]}}',
+            7,
+        ),
+        (b'{"status": "Failure", "message": "error executing command: signal: killed"}', 137),
+    ],
+)
+def test_exit_code_is_read_from_the_status_channel(raw, code):
+    assert parse_status(raw)[0] == code
+
+
+def test_no_status_frame_has_no_exit_code():
+    assert parse_status(None)[0] is None
+    assert parse_status(b'{"status": "Failure", "message": "container not found"}')[0] is None
+
+
+def test_exec_argv_carries_markers_and_confines_host_exec():
+    t = ExecTarget(
+        "ns", "pod", "sandbox", "run1-c1", "/testbed", host_exec=True, host_workdir="/w/pod"
+    )
+    argv = build_argv(t, "run1-c1.4", "echo hi", timeout=5, cwd="/testbed", env={"A": "1"})
+    assert argv[0] == "unshare"
+    i = argv.index("sandpool-exec")
+    assert argv[i + 7 : i + 11] == ["run1-c1.4", "run1-c1", str(1 << 20), "1"]  # markers, cap, env
+    assert argv[i + 11 :] == ["A=1", "/bin/bash", "-c", "echo hi"]
+    assert "/w/pod/.git/sandpool-tmp" in argv  # the pod's own /tmp, never the host's
+    plain = build_argv(
+        ExecTarget("ns", "pod", "sandbox", "s", "/testbed"),
+        "s.1",
+        ["ls"],
+        timeout=5,
+        cwd="/testbed",
+        env={},
+    )
+    assert plain[0] == "/bin/sh" and "unshare" not in plain and plain[-2:] == ["0", "ls"]
+
+
+def test_manifests_carry_the_run_id_everywhere():
+    pi = m.PodImage("example.invalid/x:1", workdir_source="/src")
+    spec = m.pod_spec(
+        pi,
+        container="sandbox",
+        command=["sleep", "infinity"],
+        resources={},
+        runtime_class="gvisor",
+        node_selector={"a": "b"},
+        tolerations=[{"key": "k"}],
+    )
+    tpl = m.template("t", "run1", "img", pi, spec)
+    assert tpl["metadata"]["labels"][m.RUN_ID_LABEL] == "run1"
+    assert tpl["spec"]["podTemplate"]["metadata"]["labels"][m.RUN_ID_LABEL] == "run1"
+    assert tpl["spec"]["podTemplate"]["metadata"]["annotations"] == {m.WORKDIR_SOURCE: "/src"}
+    assert tpl["spec"]["podTemplate"]["spec"]["runtimeClassName"] == "gvisor"
+    assert m.warm_pool("p", "run1", "img", "t", 3)["spec"] == {
+        "replicas": 3,
+        "sandboxTemplateRef": {"name": "t"},
+    }
+    assert m.claim("c", "run1", "img", "p")["spec"] == {"warmPoolRef": {"name": "p"}}
+
+
+def test_retry_after_and_backoff():
+    assert parse_retry_after("2") == 2.0
+    assert parse_retry_after("120") == 30.0  # capped
+    assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
+    assert parse_retry_after(None) is None
+    assert backoff_delay(3, retry_after=1.5) == 1.5
+    for attempt in range(1, 10):
+        assert 0 < backoff_delay(attempt, base=0.1, cap=2.0) <= 2.0
+
+
+def test_throttle_rejects_nonsense():
+    with pytest.raises(errors.ConfigError):
+        Throttle(0, 1, 1)
+
+
+async def test_throttle_paces_writes_after_the_burst_and_not_reads():
+    th = Throttle(qps=20, burst=5, max_inflight=100)
+    t0 = time.monotonic()
+    for _ in range(5):
+        async with th.slot(write=True):
+            pass
+    burst_s = time.monotonic() - t0
+    for _ in range(6):
+        async with th.slot(write=True):
+            pass
+    paced_s = time.monotonic() - t0 - burst_s
+    for _ in range(50):
+        async with th.slot(write=False):
+            pass
+    assert burst_s < 0.1  # the bucket starts full
+    assert paced_s >= 0.2  # 6 more writes at 20/s need about 0.3 s
+
+
+async def test_throttle_bounds_requests_in_flight():
+    th = Throttle(qps=1000, burst=1000, max_inflight=3)
+
+    async def one() -> None:
+        async with th.slot(write=False):
+            await asyncio.sleep(0.02)
+
+    await asyncio.gather(*(one() for _ in range(12)))
+    assert th.inflight_peak == 3
+
+
+@pytest.fixture
+async def flaky_server():
+    """A loopback HTTP server answering 429 (Retry-After) and 503 before a 201."""
+    answers: list[tuple[int, dict[str, str]]] = []
+    seen: list[float] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(time.monotonic())
+        status, headers = answers.pop(0) if answers else (201, {})
+        return web.json_response({"kind": "Status", "code": status}, status=status, headers=headers)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    cfg = Configuration(host=f"http://127.0.0.1:{port}")
+    client = ApiClient(configuration=cfg)
+    try:
+        yield client, answers, seen
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_writes_are_retried_on_429_and_5xx_honouring_retry_after(flaky_server):
+    client, answers, seen = flaky_server
+    answers += [(429, {"Retry-After": "0.3"}), (503, {})]
+    http = KubeHttp(client, Throttle(100, 100, 10), retries=3)
+    body = await http.request("POST", "/api/v1/namespaces/ns/pods", body={"a": 1})
+    assert body == {"kind": "Status", "code": 201}
+    assert http.writes == 3 and http.retried == 2  # every attempt is a write sent
+    assert seen[1] - seen[0] >= 0.3  # Retry-After was honoured
+
+
+async def test_retries_end_in_api_error_with_the_last_status(flaky_server):
+    client, answers, _ = flaky_server
+    answers += [(503, {})] * 5
+    http = KubeHttp(client, Throttle(100, 100, 10), retries=2)
+    with pytest.raises(errors.ApiError) as info:
+        await http.request("DELETE", "/api/v1/namespaces/ns/pods/p")
+    assert info.value.status == 503 and http.writes == 3
+
+
+async def test_a_refused_connection_becomes_api_error_after_retries():
+    client = ApiClient(configuration=Configuration(host="http://127.0.0.1:9"))
+    try:
+        http = KubeHttp(client, Throttle(100, 100, 10), retries=1)
+        with pytest.raises(errors.ApiError, match="cannot reach"):
+            await http.request("GET", "/version")
+    finally:
+        await client.close()
