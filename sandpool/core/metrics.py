@@ -94,6 +94,8 @@ class PoolCounters(BaseModel):
         resets: In-place resets that passed verification.
         quarantines: Sandboxes that failed reset verification and were removed.
         lost: Sandboxes found dead while idle.
+        reset_total_s: Seconds spent in in-place resets and their verification, summed.
+        reset_max_s: The slowest in-place reset, in seconds.
         infra_errors: Infra errors seen by leases and creations, by ``SandpoolError.kind``.
         quarantine_reasons: Last reasons for quarantine (bounded list).
     """
@@ -107,8 +109,15 @@ class PoolCounters(BaseModel):
     resets: int = 0
     quarantines: int = 0
     lost: int = 0
+    reset_total_s: float = 0.0
+    reset_max_s: float = 0.0
     infra_errors: dict[str, int] = Field(default_factory=dict)
     quarantine_reasons: list[str] = Field(default_factory=list)
+
+    def reset_time(self, seconds: float) -> None:
+        """Record the duration of one in-place reset attempt."""
+        self.reset_total_s += seconds
+        self.reset_max_s = max(self.reset_max_s, seconds)
 
     def infra_error(self, kind: str) -> None:
         """Count one infra error of ``kind``."""
@@ -193,7 +202,9 @@ class Report(BaseModel):
             f"  sandboxes    created {self.sandboxes_created}, warm hits {self.pool.warm_hits}/"
             f"{self.pool.claims} claims, evicted {self.pool.evicted}, lost {self.pool.lost}",
             f"  k8s writes   {self.api_writes}",
-            f"  resets       {self.resets} ok, {self.quarantines} quarantined",
+            f"  resets       {self.resets} ok, {self.quarantines} quarantined"
+            + (f" (mean {ms(self.pool.reset_total_s / n_resets)}, max {ms(self.pool.reset_max_s)})"
+               if (n_resets := self.resets + self.quarantines) else ""),
             "  outcomes     " + ", ".join(f"{k} {v}" for k, v in self.failures.items()),
             "  infra errors " + (", ".join(f"{k} {v}" for k, v in sorted(self.infra_errors_by_kind.items())) or "none"),
             f"  reward       mean {'-' if self.reward.mean is None else f'{self.reward.mean:.3f}'} over "

@@ -483,7 +483,7 @@ class SandboxPool:
             for _ in range(max(0, len(img.waiters) - pending)):
                 if live >= self._max_live and not self._evict_one(exclude=name):
                     break
-                self._start_create(name, img)
+                self._start_create(name, img, warm_up=False)  # a claim waits: no extra work
                 live += 1
         for name, img in self._images.items():
             want = self.strategy.deficit(target=img.target, idle=len(img.idle), creating=img.creating,
@@ -491,7 +491,7 @@ class SandboxPool:
             for _ in range(want):
                 if live >= self._max_live:
                     break
-                self._start_create(name, img)
+                self._start_create(name, img, warm_up=True)
                 live += 1
         self._changed.set()
 
@@ -506,9 +506,9 @@ class SandboxPool:
                 return True
         return False
 
-    def _start_create(self, name: str, img: _Image) -> None:
+    def _start_create(self, name: str, img: _Image, *, warm_up: bool) -> None:
         img.creating += 1
-        self._spawn(self._create(name))
+        self._spawn(self._create(name, warm_up))
 
     def _to_idle(self, entry: _Entry) -> None:
         img = self._images[entry.image]
@@ -533,11 +533,19 @@ class SandboxPool:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    async def _create(self, name: str) -> None:
+    async def _create(self, name: str, warm_up: bool) -> None:
         img = self._images[name]
         try:
             async with self._limiter:
                 sandbox = await asyncio.wait_for(self.backend.create(name), self.limits.create_timeout)
+            if warm_up:
+                # Warming includes git's index: a fresh copy of the repo has stat data from
+                # elsewhere, and the first git command would re-read every file on the claim path.
+                try:
+                    await sandbox.exec("git update-index -q --refresh", timeout=self.limits.create_timeout)
+                except BaseException:
+                    await self._delete(sandbox)
+                    raise
         except TimeoutError:
             self._create_failed(name, errors.SandboxStartError(
                 f"creating a sandbox of {name!r} took over {self.limits.create_timeout:.0f} s"))

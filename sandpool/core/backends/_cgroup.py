@@ -75,24 +75,30 @@ class CgroupDriver:
         except OSError:
             return []
 
-    def kill_and_remove(self, name: str, timeout: float = 5.0) -> None:
-        """SIGKILL every process in group ``name`` and remove the group; never raises."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pids = self.pids(name)
-            if not pids:
-                break
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
-            time.sleep(0.01)
+    def kill(self, name: str) -> int:
+        """SIGKILL every process in group ``name``; return how many were signalled."""
+        pids = self.pids(name)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return len(pids)
+
+    def remove(self, name: str) -> None:
+        """Remove group ``name`` (it must be empty); never raises."""
         for d in self._dirs(name):
             try:
                 d.rmdir()
             except OSError:
                 pass
+
+    def kill_and_remove(self, name: str, timeout: float = 5.0) -> None:
+        """Kill group ``name`` until empty, then remove it; blocking (for the reaper)."""
+        deadline = time.monotonic() + timeout
+        while self.kill(name) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self.remove(name)
 
     def remove_parent(self) -> None:
         """Remove this run's parent group(s) once empty; never raises."""

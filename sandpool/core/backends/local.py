@@ -29,6 +29,7 @@ import re
 import shutil
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path, PurePosixPath
 
@@ -461,15 +462,19 @@ class LocalBackend(Backend):
         proc = sandbox._proc
         if proc.returncode is None:
             try:
-                proc.kill()
+                proc.kill()  # bubblewrap's init gets SIGKILL with it (--die-with-parent)
             except ProcessLookupError:
                 pass
         if proc.stdin is not None:
             proc.stdin.close()
-        # Synchronous on purpose: a few milliseconds, and it must work at interpreter exit,
-        # when no new thread can start.
-        self._cleanup_state(sandbox.id, sandbox.state_dir)
         await proc.wait()
+        if self._cgroups is not None:
+            deadline = time.monotonic() + 5.0
+            while self._cgroups.kill(sandbox.id) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            self._cgroups.remove(sandbox.id)
+        _umount(sandbox.state_dir / "merged")
+        await _offload(shutil.rmtree, sandbox.state_dir, True)
         await sandbox._reader
 
     def _cleanup_state(self, sid: str, state: Path) -> None:
@@ -497,7 +502,16 @@ class LocalBackend(Backend):
         await asyncio.gather(*(self.delete(sb) for sb in list(self._live.values())))
         if self._cgroups is not None:
             self._cgroups.remove_parent()
-        shutil.rmtree(self._run_dir, ignore_errors=True)
+        await _offload(shutil.rmtree, self._run_dir, True)
+
+
+async def _offload(fn, *args) -> None:  # type: ignore[no-untyped-def]
+    # Blocking file work goes to a thread, off the event loop; at interpreter exit no thread
+    # can start, and it runs inline instead so cleanup still happens.
+    try:
+        await asyncio.to_thread(fn, *args)
+    except RuntimeError:
+        fn(*args)
 
 
 def _retrieve(fut: asyncio.Future) -> None:
