@@ -1,0 +1,357 @@
+"""Give every pod on the kwok nodes its own working directory and exec target.
+
+Started by ``cluster.py up``; it watches pods and nodes and, for each pod bound to a
+node:
+
+1. creates ``<root>/pods/<namespace>/<name>/``; if the pod carries the annotation
+   ``sandpool.io/workdir-source: <host dir>``, copies that directory's contents in
+   (``cp -a``);
+2. creates a kwok ``Exec`` (kwok.x-k8s.io/v1alpha1) named and namespaced like the pod,
+   owned by the pod, whose ``local.workDir`` is that directory, so pod exec runs
+   there (per container, with the container's literal ``env`` values);
+3. computes the simulated start latency (image pull + sandbox boot, see README.md)
+   and annotates the pod with it and with ``sandpool.io/provisioned: "true"``;
+   the kwok Stages only start the pod after that annotation, so a pod is never
+   Ready before exec into it works.
+
+When a pod is deleted, its directory is removed (the Exec goes with the pod through
+its owner reference). Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import queue
+import random
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kubeapi import ApiError, Kube
+
+ANN = "sandpool.io/"
+CACHED_IMAGES = ANN + "cached-images"
+LOG = logging.getLogger("provisioner")
+
+
+class Provisioner:
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg["root"])
+        self.pki = Path(cfg["pki"])
+        self.server = cfg["server"]
+        self.rng = random.Random()
+        # node -> image -> monotonic time at which its (simulated) pull completes.
+        self._images: dict[str, dict[str, float]] = {}
+        self._images_lock = threading.Lock()
+        self._queues = [queue.Queue() for _ in range(int(cfg.get("workers", 8)))]
+        self._done: set[str] = set()  # pod uids provisioned (or given up on)
+
+    def kube(self) -> Kube:
+        return Kube.from_pki(self.server, self.pki, user_agent="sandpool-provisioner")
+
+    # ---- start latency model -------------------------------------------------
+    def _jitter(self, ms: float) -> float:
+        j = float(self.cfg["jitter"])
+        return max(0.0, ms * self.rng.uniform(1 - j, 1 + j))
+
+    def start_delays(self, pod: dict[str, Any]) -> tuple[float, float, str, list[str]]:
+        """Return (pull_ms, boot_ms, cache verdict, images newly pulled on the node)."""
+        node = pod["spec"]["nodeName"]
+        ann = pod["metadata"].get("annotations") or {}
+        images = list(dict.fromkeys(c["image"] for c in pod["spec"]["containers"]))
+        force_cached = ann.get(ANN + "image-cached") == "true"
+        now = time.monotonic()
+        pull_ms = 0.0
+        new: list[str] = []
+        verdicts = []
+        with self._images_lock:
+            cache = self._images.setdefault(node, {})
+            for image in images:
+                ready_at = cache.get(image)
+                if (
+                    force_cached
+                    or image in self.cfg["preload_images"]
+                    or (ready_at is not None and ready_at <= now)
+                ):
+                    pull_ms += self._jitter(float(self.cfg["cached_pull_ms"]))
+                    verdicts.append("hit")
+                elif ready_at is not None:
+                    # Another pod on this node is pulling it: wait for that pull.
+                    pull_ms += (ready_at - now) * 1000 + self._jitter(
+                        float(self.cfg["cached_pull_ms"])
+                    )
+                    verdicts.append("wait")
+                else:
+                    ms = self._jitter(float(self.cfg["pull_ms"]))
+                    pull_ms += ms
+                    # Pulls on one node are serialized, like the kubelet's default.
+                    cache[image] = now + pull_ms / 1000
+                    new.append(image)
+                    verdicts.append("miss")
+        boot_ms = self._jitter(float(self.cfg["boot_ms"]))
+        return pull_ms, boot_ms, ",".join(verdicts), new
+
+    def _node_event(self, node: dict[str, Any]) -> None:
+        ann = (node["metadata"].get("annotations") or {}).get(CACHED_IMAGES, "")
+        with self._images_lock:
+            cache = self._images.setdefault(node["metadata"]["name"], {})
+            for image in filter(None, (s.strip() for s in ann.split(","))):
+                cache.setdefault(image, 0.0)
+
+    # ---- per pod ---------------------------------------------------------------
+    def workdir(self, ns: str, name: str) -> Path:
+        return self.root / "pods" / ns / name
+
+    def _uid_file(self, ns: str, name: str) -> Path:
+        return self.root / "meta" / ns / f"{name}.uid"
+
+    def provision(self, kube: Kube, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        ann = meta.get("annotations") or {}
+        t0 = time.monotonic()
+        workdir = self.workdir(ns, name)
+        uid_file = self._uid_file(ns, name)
+        if workdir.exists():
+            old = uid_file.read_text() if uid_file.exists() else ""
+            if old != uid:
+                shutil.rmtree(workdir, ignore_errors=True)
+        uid_file.parent.mkdir(parents=True, exist_ok=True)
+        uid_file.write_text(uid)
+        workdir.mkdir(parents=True, exist_ok=True)
+        source = ann.get(ANN + "workdir-source")
+        if source:
+            if not Path(source).is_dir():
+                self._fail(kube, pod, f"workdir-source {source!r} is not a directory")
+                return
+            res = subprocess.run(
+                ["cp", "-a", f"{source}/.", str(workdir)],
+                check=False,
+                capture_output=True,
+                text=True,
+            )
+            if res.returncode:
+                self._fail(kube, pod, f"copy of {source!r} failed: {res.stderr.strip()}")
+                return
+
+        base_env = [
+            {"name": "SANDPOOL_POD_NAME", "value": name},
+            {"name": "SANDPOOL_POD_NAMESPACE", "value": ns},
+            {"name": "SANDPOOL_WORKDIR", "value": str(workdir)},
+        ]
+        targets = []
+        for c in pod["spec"]["containers"]:
+            envs = [
+                {"name": e["name"], "value": e.get("value", "")}
+                for e in c.get("env") or []
+                if "valueFrom" not in e
+            ]
+            targets.append(
+                {
+                    "containers": [c["name"]],
+                    "local": {"workDir": str(workdir), "envs": envs + base_env},
+                }
+            )
+        exec_obj = {
+            "apiVersion": "kwok.x-k8s.io/v1alpha1",
+            "kind": "Exec",
+            "metadata": {
+                "name": name,
+                "namespace": ns,
+                "labels": {"app.kubernetes.io/managed-by": "sandpool-provisioner"},
+                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid}],
+            },
+            "spec": {"execs": targets},
+        }
+        path = f"/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/execs"
+        try:
+            kube.request("POST", path, exec_obj)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            old = kube.request("GET", f"{path}/{name}")
+            exec_obj["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
+            kube.request("PUT", f"{path}/{name}", exec_obj)
+
+        pull_ms, boot_ms, verdict, new_images = self.start_delays(pod)
+        patch = {
+            ANN + "provisioned": "true",
+            ANN + "workdir": str(workdir),
+            ANN + "image-cache": verdict,
+        }
+        # A delay the pod sets itself wins over the model.
+        patch.setdefault(ANN + "pull-delay", ann.get(ANN + "pull-delay") or f"{int(pull_ms)}ms")
+        patch.setdefault(ANN + "boot-delay", ann.get(ANN + "boot-delay") or f"{int(boot_ms)}ms")
+        try:
+            kube.request(
+                "PATCH",
+                f"/api/v1/namespaces/{ns}/pods/{name}",
+                {"metadata": {"annotations": patch, "uid": uid}},
+                content_type="application/merge-patch+json",
+            )
+        except ApiError as e:
+            if e.status in (404, 409, 422):  # deleted (or replaced: uid mismatch) meanwhile
+                return
+            raise
+        if new_images:
+            self._record_pull(kube, pod["spec"]["nodeName"])
+        LOG.info(
+            "provisioned %s/%s in %.0f ms (pull %s %d ms, boot %d ms)",
+            ns,
+            name,
+            (time.monotonic() - t0) * 1000,
+            verdict,
+            pull_ms,
+            boot_ms,
+        )
+
+    def _record_pull(self, kube: Kube, node: str) -> None:
+        with self._images_lock:
+            images = sorted(self._images.get(node, {}))
+        try:
+            kube.request(
+                "PATCH",
+                f"/api/v1/nodes/{node}",
+                {"metadata": {"annotations": {CACHED_IMAGES: ",".join(images)}}},
+                content_type="application/merge-patch+json",
+            )
+        except (ApiError, OSError) as e:
+            LOG.warning("could not record cached images on node %s: %s", node, e)
+
+    def _fail(self, kube: Kube, pod: dict[str, Any], reason: str) -> None:
+        meta = pod["metadata"]
+        LOG.error("pod %s/%s: %s", meta["namespace"], meta["name"], reason)
+        try:
+            kube.request(
+                "PATCH",
+                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+                {"metadata": {"annotations": {ANN + "provision-error": reason}}},
+                content_type="application/merge-patch+json",
+            )
+        except (ApiError, OSError) as e:
+            LOG.warning("could not annotate the failure: %s", e)
+
+    def cleanup(self, ns: str, name: str, uid: str | None) -> None:
+        uid_file = self._uid_file(ns, name)
+        if not uid_file.exists():
+            return
+        if uid is not None and uid_file.read_text() != uid:
+            return  # the directory belongs to a newer pod of the same name
+        shutil.rmtree(self.workdir(ns, name), ignore_errors=True)
+        uid_file.unlink(missing_ok=True)
+        LOG.info("removed workdir of %s/%s", ns, name)
+
+    # ---- event plumbing ----------------------------------------------------------
+    def _dispatch(self, kind: str, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        key = f"{meta['namespace']}/{meta['name']}"
+        self._queues[hash(key) % len(self._queues)].put((kind, pod))
+
+    def _worker(self, q: queue.Queue) -> None:
+        kube = self.kube()
+        while True:
+            kind, pod = q.get()
+            meta = pod["metadata"]
+            try:
+                if kind == "DELETED":
+                    self._done.discard(meta["uid"])
+                    self.cleanup(meta["namespace"], meta["name"], meta["uid"])
+                elif meta["uid"] not in self._done:
+                    for attempt in range(5):
+                        try:
+                            self.provision(kube, pod)
+                            break
+                        except (ApiError, OSError) as e:
+                            LOG.warning(
+                                "provision %s/%s failed (attempt %d): %s",
+                                meta["namespace"],
+                                meta["name"],
+                                attempt + 1,
+                                e,
+                            )
+                            time.sleep(0.2 * 2**attempt)
+                    self._done.add(meta["uid"])
+            except Exception:  # keep the worker alive; the error is in the log
+                LOG.exception("handling %s %s/%s", kind, meta.get("namespace"), meta.get("name"))
+
+    def _on_pod(self, kind: str, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        if kind == "DELETED":
+            self._dispatch(kind, pod)
+            return
+        if meta.get("deletionTimestamp") or not pod["spec"].get("nodeName"):
+            return
+        if (meta.get("annotations") or {}).get(ANN + "provisioned") == "true":
+            self._done.add(meta["uid"])
+            return
+        if meta["uid"] in self._done:
+            return
+        self._dispatch("SYNC", pod)
+
+    def _list_watch(self, path: str, on_event, on_list) -> None:
+        kube = self.kube()
+        while True:
+            try:
+                lst = kube.request("GET", path)
+                on_list(lst["items"])
+                rv = lst["metadata"]["resourceVersion"]
+                while True:
+                    for ev in kube.watch(path, rv):
+                        if ev["type"] == "ERROR":
+                            raise ApiError(ev["object"].get("code", 500), ev["object"])
+                        rv = ev["object"]["metadata"]["resourceVersion"]
+                        if ev["type"] != "BOOKMARK":
+                            on_event(ev["type"], ev["object"])
+            except (ApiError, OSError, ValueError) as e:
+                LOG.info("re-listing %s after: %s", path, e)
+                time.sleep(0.5)
+
+    def _on_pod_list(self, pods: list[dict[str, Any]]) -> None:
+        live = {
+            (p["metadata"]["namespace"], p["metadata"]["name"]): p["metadata"]["uid"] for p in pods
+        }
+        meta_root = self.root / "meta"
+        if meta_root.exists():
+            for f in meta_root.glob("*/*.uid"):
+                ns, name = f.parent.name, f.name[: -len(".uid")]
+                if live.get((ns, name)) != f.read_text():
+                    self._dispatch(
+                        "DELETED",
+                        {"metadata": {"namespace": ns, "name": name, "uid": f.read_text()}},
+                    )
+        for p in pods:
+            self._on_pod("ADDED", p)
+
+    def run(self) -> None:
+        for q in self._queues:
+            threading.Thread(target=self._worker, args=(q,), daemon=True).start()
+        threading.Thread(
+            target=self._list_watch,
+            args=(
+                "/api/v1/nodes",
+                lambda _k, n: self._node_event(n),
+                lambda ns: [self._node_event(n) for n in ns],
+            ),
+            daemon=True,
+        ).start()
+        self._list_watch("/api/v1/pods", self._on_pod, self._on_pod_list)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, type=Path, help="JSON written by cluster.py up")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    cfg = json.loads(args.config.read_text())
+    LOG.info("provisioner config: %s", cfg)
+    Provisioner(cfg).run()
+
+
+if __name__ == "__main__":
+    main()
