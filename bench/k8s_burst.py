@@ -36,6 +36,8 @@ import uuid
 from collections import Counter, deque
 from pathlib import Path
 
+from _plot import ttfc_cdf
+
 from sandpool.core import PoolLimits, SandboxPool, Task, run_rollout
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
 from sandpool.core.metrics import Workload
@@ -244,31 +246,6 @@ def verdicts(runs: dict[str, dict]) -> list[str]:
     return [f"{'PASS' if ok else 'MISS'}  {text}" for text, ok in checks]
 
 
-def plot(runs: dict[str, dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, run in runs.items():
-        xs = sorted(r.ttfc_s * 1000 for r in run["_report"].rollouts if r.ttfc_s is not None)
-        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.step(xs, ys, where="post", label=f"{name} (max {xs[-1]:.0f} ms)" if xs else name)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first command (ms, log scale)")
-    ax.set_ylabel("fraction of rollouts")
-    ax.set_title("TTFC CDF, Kubernetes burst (kwok nodes)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=100)
@@ -314,10 +291,9 @@ async def main() -> None:
             {n: {k: v for k, v in r.items() if k != "_report"} for n, r in runs.items()}, indent=2
         )
     )
-    drew = plot(runs, args.out / "k8s_burst_ttfc_cdf.png")
-    print(
-        f"wrote {args.out}/k8s_burst.{{txt,json}}" + (" and k8s_burst_ttfc_cdf.png" if drew else "")
-    )
+    ttfc_cdf({n: r["_report"] for n, r in runs.items()}, args.out / "k8s_burst_ttfc_cdf.png",
+             "TTFC CDF, Kubernetes burst (kwok nodes)")
+    print(f"wrote {args.out}/k8s_burst.{{txt,json}} and k8s_burst_ttfc_cdf.png")
 
 
 if __name__ == "__main__":

@@ -17,17 +17,14 @@ import asyncio
 import json
 from pathlib import Path
 
-import matplotlib
+from _plot import ttfc_cdf
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from sandpool.core.backends.local import LocalBackend  # noqa: E402
-from sandpool.core.metrics import Report  # noqa: E402
-from sandpool.envs.policies import NoopPolicy, OraclePolicy  # noqa: E402
-from sandpool.envs.runner import run_batch  # noqa: E402
-from sandpool.envs.taskpack import abuild_default_pack  # noqa: E402
-from sandpool.envs.tasks import load_tasks  # noqa: E402
+from sandpool.core.backends.local import LocalBackend  
+from sandpool.core.metrics import Report  
+from sandpool.envs.policies import NoopPolicy, OraclePolicy  
+from sandpool.envs.runner import run_batch  
+from sandpool.envs.taskpack import abuild_default_pack  
+from sandpool.envs.tasks import load_tasks  
 
 STRATEGIES = ("cold", "warm", "reuse")
 
@@ -83,24 +80,6 @@ def verdicts(reports: dict[str, Report], concurrency: int) -> list[str]:
     return [f"{'PASS' if ok else 'MISS'}  {text}" for text, ok in checks]
 
 
-def plot(reports: dict[str, Report], path: Path) -> None:
-    """Draw the CDF of per-claim TTFC for each strategy (log-scale milliseconds)."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rep in reports.items():
-        xs = sorted(r.ttfc_s * 1000 for r in rep.rollouts if r.ttfc_s is not None)
-        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.step(xs, ys, where="post", label=f"{name} (max {xs[-1]:.0f} ms)" if xs else name)
-    ax.set_xscale("log")
-    ax.set_xlabel("time to first command (ms, log scale)")
-    ax.set_ylabel("fraction of rollouts")
-    ax.set_title("TTFC CDF, local backend")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tasks", type=int, default=8)
@@ -123,7 +102,7 @@ async def main() -> None:
     (args.out / "local_strategies.txt").write_text(text + "\n")
     (args.out / "local_strategies.json").write_text(json.dumps(
         {n: r.model_dump(mode="json") for n, r in reports.items()}, indent=2))
-    plot(reports, args.out / "local_strategies_ttfc_cdf.png")
+    ttfc_cdf(reports, args.out / "local_strategies_ttfc_cdf.png", "TTFC CDF, local backend")
     print(f"wrote {args.out}/local_strategies.{{txt,json}} and local_strategies_ttfc_cdf.png")
 
 
