@@ -76,7 +76,6 @@ class _Entry:
     image: str
     state: SandboxState = SandboxState.IDLE
     head: str | None = None  # commit the workdir is known to be at, pristine
-    uses: int = 0
 
 
 @dataclass(eq=False)
@@ -399,7 +398,6 @@ class SandboxPool:
                     await self.release(lease, reusable=False)
                     raise
                 entry.head = task.base_commit
-            entry.uses += 1
             self.counters.claims += 1
             return lease
 
