@@ -39,12 +39,13 @@ async def test_no_writes_outside_the_workspace(local_backend, test_images_root, 
     # The host's home, work trees and environment are not visible.
     monkeypatch.setenv("SANDPOOL_TEST_SECRET", "hunter2")
     sb = await local_backend.create(CALC_IMAGE)
-    res = await sb.exec("env; ls -A /root/.cache/sandpool /root/.pyenv /work /home 2>&1")
+    home = test_images_root.parent  # sandpool_home(): only the image directories are visible
+    res = await sb.exec(f"env; ls -A {home} /root/.pyenv /work /home 2>&1")
     assert "hunter2" not in res.text and "PATH=" in res.text
     # Only the image's own directories are mounted: not the host's work tree, other images
     # or the backend's state (where other sandboxes' layers live).
     assert "No such file or directory" in res.text and "local" not in res.text.split()
-    assert sorted(res.text.split("/root/.cache/sandpool:")[1].split("\n\n")[0].split()) == ["test-images"]
+    assert sorted(res.text.split(f"{home}:")[1].split("\n\n")[0].split()) == ["test-images"]
 
 
 async def test_timeout_kills_the_whole_process_group(local_backend):
