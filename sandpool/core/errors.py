@@ -11,8 +11,13 @@ SandpoolError
 ├── InputError                  fix the input: the message names the field and the fix
 │   ├── TaskValidationError     a malformed task row
 │   ├── ImageNotFound           a task names an image that was never built or pulled
-│   └── ConfigError             a bad option or config file key
+│   ├── ConfigError             a bad option or config file key
+│   └── BrokenTaskError         the task cannot be graded as given, proven on its pristine tree
+│                               (test_patch does not apply to base, no test command, a test
+│                               file absent at base): the task is `rejected`, never scored
 ├── TaskError                   the policy's own failure: the rollout ends `task_failed`
+│   └── TamperingSuspected      grading's verdict sources disagree (structured report, log,
+│                               exit status, counts): scored not resolved, evidence kept
 └── FatalError                  give up: the environment cannot run sandboxes at all
     ├── BackendUnavailable      bubblewrap missing, CRDs missing, RBAC denied, ...
     └── PoolClosed              use of a pool (or lease) after close
@@ -27,6 +32,7 @@ from __future__ import annotations
 __all__ = [
     "ApiError",
     "BackendUnavailable",
+    "BrokenTaskError",
     "ConfigError",
     "ExecTransportError",
     "FatalError",
@@ -38,6 +44,7 @@ __all__ = [
     "SandboxDied",
     "SandboxStartError",
     "SandpoolError",
+    "TamperingSuspected",
     "TaskError",
     "TaskValidationError",
 ]
@@ -130,10 +137,48 @@ class ConfigError(InputError):
     kind = "config"
 
 
+class BrokenTaskError(InputError):
+    """The task cannot be graded as given; shown on its pristine tree, not the policy's.
+
+    Raised by grading when the fault is the task's: its ``test_patch`` does not apply to
+    ``base_commit``, a test file is neither at ``base_commit`` nor added by the test patch, the
+    harness has no test command for its ``repo``/``version``, or ``sandpool validate`` found
+    that the gold patch does not resolve it (or the empty patch does). The rollout is
+    ``rejected``: never scored, always counted.
+
+    Args:
+        message: What is broken and how to fix the row.
+        task_id: The task's ``instance_id``, when known.
+    """
+
+    kind = "broken_task"
+
+    def __init__(self, message: str, *, task_id: str | None = None) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+
+
 class TaskError(SandpoolError):
     """The policy failed on its own (its error, or its command's timeout): ``task_failed``."""
 
     kind = "task"
+
+
+class TamperingSuspected(TaskError):
+    """Grading's independent verdict sources disagree: the policy's code forged a result.
+
+    The rollout is scored not resolved (reward 0) and the evidence is kept.
+
+    Args:
+        message: One line saying which sources disagree.
+        evidence: Each disagreement found, one sentence each.
+    """
+
+    kind = "tampering_suspected"
+
+    def __init__(self, message: str, *, evidence: tuple[str, ...] = ()) -> None:
+        super().__init__(message if not evidence else f"{message}: " + "; ".join(evidence))
+        self.evidence = evidence
 
 
 class FatalError(SandpoolError):
