@@ -33,7 +33,7 @@ run: sysdeps venv
 ## The test suite: unit, real bubblewrap sandboxes, the local Kubernetes cluster, integrations.
 test: sysdeps venv cluster-build
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
-	$(VENV)/bin/nox -s nemo_gym
+	$(VENV)/bin/nox -s nemo_gym-0.4 nemo_gym-0.7
 
 cluster-build: venv
 	$(VENV)/bin/python hack/cluster/cluster.py build

@@ -1,8 +1,17 @@
 """nox sessions for test suites that need their own venv.
 
-``nox -s nemo_gym`` builds ``.venvs/nemo`` (Python 3.12, sandpool editable, the real nemo-gym)
-and runs ``tests/nemo_gym`` in it. nemo-gym needs Python >= 3.12; 0.4.0 is the newest release
-that installs on 3.12 (later releases want 3.13.14), so it is pinned here.
+``nox -s nemo_gym-0.4 nemo_gym-0.7`` runs ``tests/nemo_gym`` against two NeMo Gym releases,
+each in a venv of its own, ``.venvs/nemo-gym-<release>`` (built once, rebuilt from scratch
+when its stamp, a hash of ``pyproject.toml``, the pins and the interpreter, changes):
+
+* ``nemo_gym-0.4``: nemo-gym 0.4.0 on Python 3.12, the newest release that installs on 3.12.
+* ``nemo_gym-0.7``: nemo-gym 0.7.0, the newest release. It declares ``Requires-Python
+  >=3.13.14``, which no interpreter on this machine satisfies (pyenv has 3.13.0), so it is
+  installed on pyenv's 3.13.0 with ``pip install --ignore-requires-python``. Its tests pass
+  there; that is not a claim that 0.7.0 supports 3.13.0.
+
+The README-commands test (``test_readme_commands.py``) runs in the 0.4 session only: the
+README's install path is the one that resolves here (Python 3.12, nemo-gym 0.4.0).
 """
 
 from __future__ import annotations
@@ -19,36 +28,72 @@ import nox
 nox.options.default_venv_backend = "none"
 
 ROOT = Path(__file__).resolve().parent
-NEMO_VENV = ROOT / ".venvs" / "nemo"
-NEMO_GYM = "nemo-gym==0.4.0"
 NEMO_TEST_DEPS = ["pytest>=8", "pytest-asyncio>=0.24", "pytest-timeout>=2.3"]
+README_TEST = "tests/nemo_gym/test_readme_commands.py"
 
 
-def _python312() -> str:
-    """Return a Python 3.12 interpreter: ``python3.12`` on PATH, else pyenv's newest 3.12.x."""
+def _pyenv_python(minor: str, exact: str | None = None) -> str:
+    """Return a Python ``minor`` (e.g. ``"3.12"``) interpreter, or exactly ``exact`` from pyenv.
+
+    ``python3.12`` on PATH is taken first when no exact version is asked for, else pyenv's
+    newest matching version.
+
+    Raises:
+        RuntimeError: No such interpreter; the message says how to install one.
+    """
     pyenv = os.environ.get("PYENV_ROOT") or str(Path.home() / ".pyenv")
-    found = sorted(glob.glob(f"{pyenv}/versions/3.12*/bin/python3.12"),
+    if exact is not None:
+        cand = f"{pyenv}/versions/{exact}/bin/python{minor}"
+        if Path(cand).exists():
+            return cand
+        raise RuntimeError(f"Python {exact} not found at {cand}: `pyenv install {exact}` and retry")
+    found = sorted(glob.glob(f"{pyenv}/versions/{minor}*/bin/python{minor}"),
                    key=lambda p: [int(x) for x in Path(p).parts[-3].split(".") if x.isdigit()])
-    for cand in [shutil.which("python3.12"), *reversed(found)]:
-        if cand and subprocess.run([cand, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
+    want = tuple(int(x) for x in minor.split("."))
+    for cand in [shutil.which(f"python{minor}"), *reversed(found)]:
+        if cand and subprocess.run([cand, "-c", f"import sys; assert sys.version_info[:2] == {want}"],
                                    capture_output=True).returncode == 0:
             return cand
-    raise RuntimeError("Python 3.12 not found: install it (e.g. `pyenv install 3.12`) and retry")
+    raise RuntimeError(f"Python {minor} not found: install it (e.g. `pyenv install {minor}`) and retry")
 
 
-@nox.session(python=False)
-def nemo_gym(session: nox.Session) -> None:
-    """Run tests/nemo_gym with the real nemo-gym in .venvs/nemo (built or refreshed as needed)."""
-    py = NEMO_VENV / "bin" / "python"
-    stamp = NEMO_VENV / ".installed"
-    want = hashlib.sha256(((ROOT / "pyproject.toml").read_bytes() + NEMO_GYM.encode()
-                           + " ".join(NEMO_TEST_DEPS).encode())).hexdigest()
+def _nemo_venv(session: nox.Session, release: str, python: str, *pip_flags: str) -> Path:
+    """Build (or reuse) ``.venvs/nemo-gym-<release>`` and return its python.
+
+    The venv is rebuilt from scratch when its stamp (interpreter, flags, pins and
+    ``pyproject.toml``) no longer matches.
+    """
+    venv = ROOT / ".venvs" / f"nemo-gym-{release}"
+    py = venv / "bin" / "python"
+    stamp = venv / ".installed"
+    pins = [f"nemo-gym=={release}", *NEMO_TEST_DEPS]
+    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()
+                          + " ".join([python, *pip_flags, *pins]).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text() == want:
+        return py
+    if stamp.exists():  # built for other pins or another interpreter (no stamp: pip finishes it)
+        shutil.rmtree(venv)
     if not py.exists():
-        session.run(_python312(), "-m", "venv", str(NEMO_VENV), external=True)
-    if not stamp.exists() or stamp.read_text() != want:
-        session.run(str(py), "-m", "pip", "install", "-q", "--upgrade", "pip", external=True)
-        session.run(str(py), "-m", "pip", "install", "-q", "-e", str(ROOT), NEMO_GYM, *NEMO_TEST_DEPS,
-                    external=True)
-        stamp.write_text(want)
-    session.run(str(py), "-m", "pytest", "tests/nemo_gym", "-p", "no:cacheprovider", *session.posargs,
-                external=True)
+        session.run(python, "-m", "venv", str(venv), external=True)
+    session.run(str(py), "-m", "pip", "install", "-q", "--upgrade", "pip", external=True)
+    session.run(str(py), "-m", "pip", "install", "-q", *pip_flags, "-e", str(ROOT), *pins, external=True)
+    stamp.write_text(want)
+    return py
+
+
+def _pytest(session: nox.Session, py: Path, *args: str) -> None:
+    session.run(str(py), "-m", "pytest", "tests/nemo_gym", "-p", "no:cacheprovider", *args,
+                *session.posargs, external=True)
+
+
+@nox.session(name="nemo_gym-0.4", python=False)
+def nemo_gym_04(session: nox.Session) -> None:
+    """tests/nemo_gym with nemo-gym 0.4.0 on Python 3.12, plus the README-commands test."""
+    _pytest(session, _nemo_venv(session, "0.4.0", _pyenv_python("3.12")))
+
+
+@nox.session(name="nemo_gym-0.7", python=False)
+def nemo_gym_07(session: nox.Session) -> None:
+    """tests/nemo_gym with nemo-gym 0.7.0 on pyenv's 3.13.0 (``--ignore-requires-python``)."""
+    py = _nemo_venv(session, "0.7.0", _pyenv_python("3.13", exact="3.13.0"), "--ignore-requires-python")
+    _pytest(session, py, f"--ignore={README_TEST}")

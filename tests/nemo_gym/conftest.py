@@ -222,7 +222,69 @@ class SimpleAgentEpisode:
         return await res.json()
 
 
+async def verify_failed_rollout(ep: SimpleAgentEpisode) -> dict:
+    """POST /verify on a session whose sandbox failed; assert it is not scored, return the body.
+
+    0.4: ``503``, which NeMo Gym's agent raises on (no reward recorded). 0.7: ``200`` with
+    ``mask_sample`` and a registered ``failure_kind``, and 0.7's own profiler masks the row.
+    """
+    from aiohttp import ClientResponseError
+
+    from sandpool.integrations.nemo_gym.server import MASKS_FAILED_VERIFY
+
+    if not MASKS_FAILED_VERIFY:
+        with pytest.raises(ClientResponseError) as info:
+            await ep.verify()
+        assert info.value.status == 503
+        body = json.loads(info.value.response_content)
+        assert body["outcome"] == "infra_failed" and "reward" not in body
+        return body
+    from nemo_gym.failure_kinds import FAILURE_KINDS
+    from nemo_gym.reward_profile import select_measured
+
+    body = await ep.verify()
+    assert body["mask_sample"] is True and body["failure_kind"] in FAILURE_KINDS
+    assert body["_ng_failure_class"] == body["failure_kind"] and body["failure_reason"]
+    _, measured, masked, _ = select_measured([ep.row], [body])
+    assert measured == [] and masked == [body]  # 0.7 leaves it out of every score
+    return body
+
+
 def row_for(task: Task) -> dict[str, Any]:
     """A dataset row for ``task`` as a NeMo Gym dataset holds it."""
     return {"instance_id": task.instance_id,
             "responses_create_params": {"input": task.problem_statement}}
+
+
+@pytest.fixture(scope="module")
+async def live(server_client, pool_block: dict[str, Any], tmp_path_factory) -> AsyncIterator[tuple]:
+    """A sandpool_swe server in this process, built as NeMo Gym's ``run_webserver`` builds it
+    (config from NeMo Gym's config parser, ``setup_webserver``, served by uvicorn); yields
+    ``(server, client)``, so tests reach its pool and sessions while episodes go over HTTP."""
+    import uvicorn
+    from omegaconf import OmegaConf
+
+    from nemo_gym.global_config import GlobalConfigDictParser, get_first_server_config_dict
+    from sandpool.integrations.nemo_gym import CONFIG_PATH
+    from sandpool.integrations.nemo_gym.server import SandpoolSweConfig, SandpoolSweResourcesServer
+
+    overrides = tmp_path_factory.mktemp("faults") / "overrides.yaml"
+    overrides.write_text(json.dumps({MAIN: {"resources_servers": {"sandpool_swe": {
+        "port": free_port(), "sandpool": pool_block | {"concurrency": 1}}}}}))
+    gcd = GlobalConfigDictParser().parse_no_environment(
+        OmegaConf.create({"config_paths": [str(CONFIG_PATH), str(overrides)]}))
+    inner = get_first_server_config_dict(gcd, MAIN)
+    config = SandpoolSweConfig.model_validate(OmegaConf.to_container(inner, resolve=True) | {"name": MAIN})
+    client = ServerClient(head_server_config=BaseServerConfig(host="127.0.0.1", port=free_port()),
+                          global_config_dict=gcd)
+    server = SandpoolSweResourcesServer(config=config, server_client=client)
+    app = server.setup_webserver()
+    server.setup_liveness(app)
+    userver = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
+    serving = asyncio.get_running_loop().create_task(userver.serve())
+    while not userver.started:
+        assert not serving.done(), serving.exception()
+        await asyncio.sleep(0.05)
+    yield server, client
+    userver.should_exit = True
+    await serving

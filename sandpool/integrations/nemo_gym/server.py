@@ -10,11 +10,22 @@ Routes (all keyed by NeMo Gym's session cookie):
   ``reward`` (1.0 resolved, else 0.0), then releases the sandbox for reuse.
 * ``GET /pool_status`` shows pool and session counts.
 
+* ``POST /close_session`` (NeMo Gym >= 0.7) releases the sandbox of a session an Environment
+  Server seeded with a typed ``ResourcesSeedSessionRequest``; a later seed of that id is refused.
+
 Failure accounting: an infra failure (a sandbox that died, a broken command channel, a claim
-that timed out, a session reclaimed for idleness) answers ``503`` with
-``{"outcome": "infra_failed", "kind": ..., "message": ...}``. NeMo Gym's agents raise on a
-non-2xx ``/seed_session`` or ``/verify``, so the rollout fails (and is retried) instead of being
-scored; a reward is only ever returned for a sandbox that was graded.
+that timed out, a session reclaimed for idleness) is never a reward.
+
+* ``/seed_session`` and the tools answer ``503`` with
+  ``{"outcome": "infra_failed", "kind": ..., "failure_kind": ..., "message": ...}``; NeMo Gym's
+  agents and Environment Servers raise on a non-2xx seed, and 0.7's treat a 5xx as retryable.
+* ``/verify`` on NeMo Gym 0.4 answers the same ``503`` (its agents raise: a failed rollout).
+  On 0.7 (whose ``BaseVerifyResponse`` has ``mask_sample``) it answers ``200`` the way 0.7's
+  own ``judge_failsafe`` reports a failed verification: ``mask_sample: true`` (the reward is
+  not a measurement: masked from scores and training), ``failure_kind`` from
+  ``nemo_gym.failure_kinds`` (or ``sandpool:<kind>``), ``failure_reason``, and
+  ``_ng_failure_class``, which routes the row to rollout collection's failures sidecar, from
+  where resume retries it. ``reward`` is ``0.0`` only because 0.7's schema requires a float.
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import contextlib
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
@@ -41,9 +53,36 @@ from sandpool.core.task import Task
 from sandpool.envs.grading import grade
 from sandpool.envs.tasks import parse_task
 from sandpool.integrations.nemo_gym.config import PoolSettings, validate_settings
-from sandpool.integrations.nemo_gym.sessions import SessionTable, UnknownSession
+from sandpool.integrations.nemo_gym.sessions import SessionClosed, SessionTable, UnknownSession
+
+try:  # NeMo Gym >= 0.7: Environment Servers seed and close sessions with typed bodies
+    from nemo_gym.base_resources_server import (
+        ResourcesCloseSessionRequest,
+        ResourcesCloseSessionResponse,
+        ResourcesSeedSessionRequest,
+        ResourcesSeedSessionResponse,
+    )
+except ImportError:  # NeMo Gym 0.4: cookie-keyed seeds only, no /close_session
+    ResourcesCloseSessionRequest = ResourcesCloseSessionResponse = None  # type: ignore[assignment,misc]
+    ResourcesSeedSessionRequest = ResourcesSeedSessionResponse = None  # type: ignore[assignment,misc]
+
+#: NeMo Gym >= 0.7 reports a failed verification in a 200 answer with ``mask_sample``.
+MASKS_FAILED_VERIFY = "mask_sample" in BaseVerifyResponse.model_fields
+
+#: sandpool's infra kinds in the words of NeMo Gym 0.7's ``nemo_gym.failure_kinds``; any
+#: other kind is sent namespaced, as ``sandpool:<kind>`` (0.7's rule for unregistered kinds).
+NEMO_FAILURE_KINDS = {
+    "sandbox_died": "session_lost",
+    "session_expired": "session_expired",
+    "sandbox_start": "provider_unavailable",
+    "api_error": "provider_unavailable",
+    "exec_transport": "transport_peer_drop",
+    "infra_timeout": "transport_timeout",
+}
 
 __all__ = [
+    "MASKS_FAILED_VERIFY",
+    "NEMO_FAILURE_KINDS",
     "ReadFileRequest",
     "ReadFileResponse",
     "SandpoolSeedSessionRequest",
@@ -56,6 +95,7 @@ __all__ = [
     "ShellResponse",
     "WriteFileRequest",
     "WriteFileResponse",
+    "nemo_failure_kind",
 ]
 
 
@@ -210,22 +250,52 @@ class SandpoolVerifyResponse(BaseVerifyResponse):
     ttfc_s: float | None = None
 
 
+def nemo_failure_kind(kind: str) -> str:
+    """Return NeMo Gym 0.7's ``failure_kind`` for a sandpool error kind (``sandpool:<kind>``
+    when 0.7's vocabulary has no such name)."""
+    return NEMO_FAILURE_KINDS.get(kind, f"sandpool:{kind}")
+
+
 def _error_response(exc: errors.SandpoolError) -> JSONResponse:
     """Map a sandpool error to the HTTP answer NeMo Gym's agents act on.
 
     Infra errors are ``503`` (NeMo Gym raises: a failed, retryable rollout, never a reward);
-    an unknown session is ``409``; other input errors ``422``; a closed pool ``503``.
+    an unknown or closed session is ``409``; other input errors ``422``; a closed pool ``503``.
     """
+    content = {"kind": exc.kind, "message": str(exc)}
     if isinstance(exc, errors.InfraError):
         status, outcome = 503, "infra_failed"
-    elif isinstance(exc, UnknownSession):
+        content["failure_kind"] = nemo_failure_kind(exc.kind)
+    elif isinstance(exc, (UnknownSession, SessionClosed)):
         status, outcome = 409, "no_session"
     elif isinstance(exc, errors.InputError):
         status, outcome = 422, "bad_input"
     else:
         status, outcome = 503, "unavailable"
-    return JSONResponse(status_code=status,
-                        content={"outcome": outcome, "kind": exc.kind, "message": str(exc)})
+    return JSONResponse(status_code=status, content={"outcome": outcome} | content)
+
+
+def _failed_verify_response(body: BaseVerifyRequest, exc: errors.InfraError) -> JSONResponse:
+    """A ``/verify`` whose sandbox failed: 0.4's ``503``, or 0.7's masked ``200`` (module doc)."""
+    if not MASKS_FAILED_VERIFY:
+        return _error_response(exc)
+    kind = nemo_failure_kind(exc.kind)
+    data = body.model_dump(mode="json")
+    instance_config = data.get("instance_config")
+    data |= {
+        "reward": 0.0, "mask_sample": True, "failure_kind": kind, "failure_reason": str(exc)[:2000],
+        # Older NeMo RL consumers read the mask from instance_config (as 0.7's judge_failsafe sets it).
+        "instance_config": (instance_config if isinstance(instance_config, dict) else {}) | {"mask_sample": True},
+        "_ng_failure_class": kind, "outcome": "infra_failed", "kind": exc.kind,
+    }
+    BaseVerifyResponse.model_validate(data)  # the shape 0.7 parses (warns on an unknown kind)
+    return JSONResponse(content=jsonable_encoder(data))
+
+
+#: The ``/seed_session`` body: a dataset row, or (NeMo Gym >= 0.7) an Environment Server's seed.
+SeedSessionBody = (SandpoolSeedSessionRequest if ResourcesSeedSessionRequest is None
+                   else ResourcesSeedSessionRequest | SandpoolSeedSessionRequest)
+CloseSessionBody = ResourcesCloseSessionRequest
 
 
 class SandpoolSweResourcesServer(SimpleResourcesServer):
@@ -318,32 +388,60 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
             await self._pool.aclose()
             self._pool = None
 
-    def _task_for(self, body: SandpoolSeedSessionRequest) -> Task:
-        task = self._tasks.get(body.instance_id)
+    def _task_for(self, instance_id: str, inline: dict[str, Any] | None) -> Task:
+        task = self._tasks.get(instance_id)
         if task is not None:
             return task
-        if body.task is not None:
-            task = parse_task(body.task)
-            if task.instance_id != body.instance_id:
+        if inline is not None:
+            task = parse_task(inline)
+            if task.instance_id != instance_id:
                 raise errors.TaskValidationError(
-                    f"instance_id {body.instance_id!r} does not match the inline task's "
+                    f"instance_id {instance_id!r} does not match the inline task's "
                     f"{task.instance_id!r}", field="instance_id")
             return task
         raise errors.TaskValidationError(
-            f"instance_id {body.instance_id!r} is not in the task source "
+            f"instance_id {instance_id!r} is not in the task source "
             f"({self.config.sandpool.tasks!r}); fix the dataset row or sandpool.tasks",
             field="instance_id",
         )
 
-    async def seed_session(self, request: Request, body: SandpoolSeedSessionRequest):  # type: ignore[override]
-        """Claim a sandbox for the row's task, at its base commit, under this session."""
+    async def seed_session(self, request: Request, body: SeedSessionBody):  # type: ignore[override]
+        """Claim a sandbox for the row's task, at its base commit, under this session.
+
+        Takes NeMo Gym's dataset row (keyed by the session cookie) or, on 0.7, an Environment
+        Server's typed ``ResourcesSeedSessionRequest`` (keyed by its ``resources_session_id``,
+        which the session cookie then carries; the row is its ``task_data``).
+        """
+        typed = ResourcesSeedSessionRequest is not None and isinstance(body, ResourcesSeedSessionRequest)
         try:
-            task = self._task_for(body)
-            session = await self.sessions.open(request.session[SESSION_ID_KEY], task)
+            if typed:
+                sid = body.resources_session_id
+                row = dict(body.task_data)
+                instance_id = row.get("instance_id") or body.task_id.task_id
+                inline = row.get("task") if isinstance(row.get("task"), dict) else None
+            else:
+                sid, instance_id, inline = request.session[SESSION_ID_KEY], body.instance_id, body.task
+            task = self._task_for(str(instance_id), inline)
+            session = await self.sessions.open(sid, task)
         except errors.SandpoolError as exc:
             return _error_response(exc)
+        if typed:
+            request.session[SESSION_ID_KEY] = sid  # tool calls and /verify carry it in the cookie
+            return ResourcesSeedSessionResponse(resources_session_id=sid)
         return SandpoolSeedSessionResponse(instance_id=task.instance_id, sandbox_id=session.lease.id,
                                            workdir=session.lease.workdir, ttfc_s=session.lease.ttfc_s)
+
+    async def close_resources_session(self, body: CloseSessionBody):  # type: ignore[override]
+        """``/close_session`` (NeMo Gym >= 0.7): release the session's sandbox, refuse a re-seed.
+
+        Succeeds for a session already closed or never seeded (0.7's contract); a release
+        that fails answers ``503`` and leaves the session open, so the caller can retry.
+        """
+        try:
+            await self.sessions.close(body.resources_session_id, refuse_reseed=True)
+        except errors.SandpoolError as exc:
+            return _error_response(exc)
+        return ResourcesCloseSessionResponse(resources_session_id=body.resources_session_id)
 
     async def shell(self, request: Request, body: ShellRequest):  # type: ignore[no-untyped-def]
         """Tool: run a shell command in the session's sandbox.
@@ -393,18 +491,18 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
     async def verify(self, request: Request, body: SandpoolVerifyRequest):  # type: ignore[override]
         """Grade the session's sandbox, return the reward, then release the sandbox.
 
-        Returns ``503`` (never a reward) when the sandbox failed or the session expired.
+        When the sandbox failed or the session expired, never a reward: ``503`` on NeMo Gym
+        0.4, a masked ``200`` on 0.7 (see the module doc).
         """
         sid = request.session[SESSION_ID_KEY]
         try:
-            async with self.sessions.use(sid) as session:
+            async with self.sessions.use(sid, release_after=True) as session:
                 result = await grade(session.lease, session.task,
                                      timeout=self.config.sandpool.grade_timeout_s)
                 lease, task = session.lease, session.task
-            await self.sessions.close(sid)
+        except errors.InfraError as exc:
+            return _failed_verify_response(body, exc)
         except errors.SandpoolError as exc:
-            if not isinstance(exc, (errors.InfraError, UnknownSession)):
-                await self.sessions.close(sid)  # e.g. a task without tests: nothing to keep
             return _error_response(exc)
         graded = dict(
             reward=result.reward, instance_id=task.instance_id, sandbox_id=lease.id,

@@ -8,6 +8,10 @@ or until it sits idle longer than ``idle_timeout_s``; then the reaper releases t
 A session whose sandbox hit an infra error is *failed*: its lease is released for deletion at
 once, and every later request on it answers with that error, so ``/verify`` can never turn it
 into a reward. This module knows nothing of HTTP or NeMo Gym.
+
+Every change to one session id (seed, request, close, idle reclaim) runs under that id's own
+lock, so two seeds racing on one id claim one sandbox, not two, and a close cannot release a
+sandbox a request is still using. Different ids never wait on each other.
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ import asyncio
 import contextlib
 import enum
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sandpool.core import errors
 from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
 
-__all__ = ["Session", "SessionExpired", "SessionState", "SessionTable", "UnknownSession"]
+__all__ = ["Session", "SessionClosed", "SessionExpired", "SessionState", "SessionTable", "UnknownSession"]
 
 #: The first command of a session: proves the sandbox answers and sits at the base commit.
 _PROBE = "git rev-parse HEAD"
@@ -43,6 +48,16 @@ class UnknownSession(errors.InputError):
     """No ``/seed_session`` was made for this session id (or it was already verified)."""
 
     kind = "unknown_session"
+
+
+class SessionClosed(errors.InputError):
+    """A seed named a session id that was already closed (NeMo Gym 0.7's ``/close_session``).
+
+    0.7's session contract: a seed that arrives after its close must not create the session
+    again. The caller uses a fresh id for a new attempt.
+    """
+
+    kind = "session_closed"
 
 
 class SessionExpired(errors.InfraError):
@@ -66,7 +81,6 @@ class Session:
         state: Where the session is in its lifecycle.
         error: The infra error that failed or expired the session.
         last_used: ``time.monotonic()`` of the end of the last request, in seconds.
-        busy: Requests in flight; an idle session has none.
     """
 
     id: str
@@ -75,8 +89,35 @@ class Session:
     state: SessionState = SessionState.ACTIVE
     error: errors.InfraError | None = None
     last_used: float = 0.0
-    busy: int = 0
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class _IdLocks:
+    """One :class:`asyncio.Lock` per session id, kept only while someone holds or awaits it."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    def held(self, key: str) -> bool:
+        """Whether a request holds, or waits for, ``key``'s lock."""
+        return key in self._locks
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        lock, users = self._locks.get(key, (None, 0))
+        lock = lock or asyncio.Lock()
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[key]
+            if users == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = (lock, users - 1)
 
 
 class SessionTable:
@@ -96,24 +137,26 @@ class SessionTable:
         pool: An open :class:`SandboxPool`.
         idle_timeout_s: Seconds without a request after which a session is reclaimed.
         clock: Monotonic clock in seconds (for tests).
+        max_closed_ids: How many ids closed with ``refuse_reseed`` are remembered (oldest
+            forgotten first), so the memory of closed ids stays bounded over a long run.
     """
 
     def __init__(self, pool: SandboxPool, *, idle_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_closed_ids: int = 100_000) -> None:
         self.pool = pool
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._locks = _IdLocks()
+        self._closed_ids: OrderedDict[str, None] = OrderedDict()
+        self._max_closed_ids = max_closed_ids
         self._reaper: asyncio.Task[None] | None = None
         self.reclaimed = 0
         self.failed = 0
 
     def __repr__(self) -> str:
-        by_state = {s: 0 for s in SessionState}
-        for sess in self._sessions.values():
-            by_state[sess.state] += 1
-        counts = " ".join(f"{s.value}={n}" for s, n in by_state.items())
-        return f"<SessionTable {counts} reclaimed={self.reclaimed} idle_timeout={self.idle_timeout_s}s>"
+        counts = " ".join(f"{k}={v}" for k, v in self.counts().items())
+        return f"<SessionTable {counts} idle_timeout={self.idle_timeout_s}s>"
 
     def counts(self) -> dict[str, int]:
         """Sessions by state, plus ``reclaimed`` and ``failed`` totals since start."""
@@ -136,36 +179,41 @@ class SessionTable:
         The claim takes a warm sandbox when there is one; the pool checks out
         ``task.base_commit`` (a sandbox released by an earlier session was already reset in
         place, off this path). Seeding an id that is still active for the same task returns
-        the existing session; for another task, the old sandbox is released first.
+        the existing session (two seeds racing on one id get one sandbox); for another task,
+        the old sandbox is released first.
 
         Returns:
             The active session.
 
         Raises:
+            SessionClosed: The id was closed with ``refuse_reseed`` (a late seed).
             InfraError: No sandbox could be claimed, or it failed its first command.
             InputError: The task cannot run (unknown image, bad base commit).
             PoolClosed: The pool is closed.
         """
-        old = self._sessions.get(session_id)
-        if old is not None and old.state is SessionState.ACTIVE:
-            if old.task.instance_id == task.instance_id:
-                old.last_used = self._clock()
-                return old
-            await self.close(session_id)
-        lease = await self.pool.acquire(task)
-        try:
-            res = await lease.exec(_PROBE, timeout=_PROBE_TIMEOUT_S)
-            if not res.ok or res.text.strip() != task.base_commit:
-                raise errors.SandboxStartError(
-                    f"sandbox {lease.id} is not at {task.base_commit[:12]} after its claim "
-                    f"(git says {(res.text or res.err_text).strip()[:80]!r})"
-                )
-        except BaseException:
-            await self.pool.release(lease, reusable=False)
-            raise
-        session = Session(session_id, task, lease, last_used=self._clock())
-        self._sessions[session_id] = session
-        return session
+        async with self._locks.hold(session_id):
+            if session_id in self._closed_ids:
+                raise SessionClosed(f"session {session_id[:24]!r} was closed; seed a new session id")
+            old = self._sessions.get(session_id)
+            if old is not None and old.state is SessionState.ACTIVE:
+                if old.task.instance_id == task.instance_id:
+                    old.last_used = self._clock()
+                    return old
+                await self._release(old, SessionState.CLOSED)
+            lease = await self.pool.acquire(task)
+            try:
+                res = await lease.exec(_PROBE, timeout=_PROBE_TIMEOUT_S)
+                if not res.ok or res.text.strip() != task.base_commit:
+                    raise errors.SandboxStartError(
+                        f"sandbox {lease.id} is not at {task.base_commit[:12]} after its claim "
+                        f"(git says {(res.text or res.err_text).strip()[:80]!r})"
+                    )
+            except BaseException:
+                await self.pool.release(lease, reusable=False)
+                raise
+            session = Session(session_id, task, lease, last_used=self._clock())
+            self._sessions[session_id] = session
+            return session
 
     def _check(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -180,29 +228,39 @@ class SessionTable:
         return session
 
     @contextlib.asynccontextmanager
-    async def use(self, session_id: str) -> AsyncIterator[Session]:
+    async def use(self, session_id: str, *, release_after: bool = False) -> AsyncIterator[Session]:
         """Hold the session for one request; requests on one session run one at a time.
 
         An :class:`~sandpool.core.errors.InfraError` inside the block fails the session: its
         sandbox is released for deletion and the error is kept for later requests.
 
+        Args:
+            session_id: The session.
+            release_after: Release the sandbox (for reuse unless broken) and forget the
+                session when the block ends without an infra error, under the same lock,
+                so no request can slip in between (``/verify``).
+
         Raises:
             UnknownSession: No active session under this id.
             InfraError: The session failed or expired earlier (the original error).
         """
-        session = self._check(session_id)
-        session.busy += 1
-        try:
-            async with session.lock:
-                self._check(session_id)
-                try:
-                    yield session
-                except errors.InfraError as exc:
-                    await self._fail(session, exc)
-                    raise
-        finally:
-            session.busy -= 1
-            session.last_used = self._clock()
+        self._check(session_id)
+        async with self._locks.hold(session_id):
+            session = self._check(session_id)
+            try:
+                yield session
+            except errors.InfraError as exc:
+                await self._fail(session, exc)
+                raise
+            except BaseException:
+                if release_after:
+                    await self._release(session, SessionState.CLOSED)
+                raise
+            else:
+                if release_after:
+                    await self._release(session, SessionState.CLOSED)
+            finally:
+                session.last_used = self._clock()
 
     async def _fail(self, session: Session, exc: errors.InfraError) -> None:
         if session.state is not SessionState.ACTIVE:
@@ -212,44 +270,75 @@ class SessionTable:
         self.failed += 1
         await self.pool.release(session.lease, reusable=False)
 
-    async def close(self, session_id: str) -> None:
+    async def _release(self, session: Session, state: SessionState) -> None:
+        """Release an active session's sandbox (caller holds its lock) and leave it in ``state``.
+
+        The session keeps its state until the release returned, so a release that raises
+        leaves it active for the caller to retry.
+        """
+        if session.state is not SessionState.ACTIVE:
+            return
+        await self.pool.release(session.lease, reusable=session.lease.broken is None)
+        session.state = state
+        if state is SessionState.CLOSED and self._sessions.get(session.id) is session:
+            del self._sessions[session.id]
+
+    async def close(self, session_id: str, *, refuse_reseed: bool = False) -> None:
         """Release the session's sandbox (for reuse unless it is broken) and forget it.
 
-        Closing an unknown or already closed session is a no-op.
+        Closing an unknown or already closed session is a no-op, as NeMo Gym 0.7's
+        ``/close_session`` contract asks.
+
+        Args:
+            session_id: The session.
+            refuse_reseed: Remember the id so a later :meth:`open` of it raises
+                :class:`SessionClosed` (0.7's contract: a seed arriving after its close,
+                or after a close of an id never seeded, must not create the session).
+
+        Raises:
+            SandpoolError: Releasing the sandbox failed; the session stays open, so the
+                caller can retry the close.
         """
-        session = self._sessions.pop(session_id, None)
-        if session is None or session.state is not SessionState.ACTIVE:
-            return
-        session.state = SessionState.CLOSED
-        await self.pool.release(session.lease, reusable=session.lease.broken is None)
+        async with self._locks.hold(session_id):
+            session = self._sessions.get(session_id)
+            if session is not None:
+                await self._release(session, SessionState.CLOSED)
+                self._sessions.pop(session_id, None)
+            if refuse_reseed:
+                self._closed_ids[session_id] = None
+                self._closed_ids.move_to_end(session_id)
+                while len(self._closed_ids) > self._max_closed_ids:
+                    self._closed_ids.popitem(last=False)
 
     async def reap_idle(self) -> list[str]:
         """Reclaim every session idle for longer than ``idle_timeout_s``.
 
         Its sandbox goes back to the pool (reset in place for reuse); the session stays
         known as ``EXPIRED`` so that a late request gets :class:`SessionExpired`, not a
-        reward.
+        reward. A session with a request in flight (or waiting) is never idle.
 
         Returns:
             The ids of the sessions reclaimed.
         """
-        now = self._clock()
         reaped = []
         for session in list(self._sessions.values()):
-            if session.state is SessionState.ACTIVE:
-                if session.busy or now - session.last_used <= self.idle_timeout_s:
-                    continue
-                session.state = SessionState.EXPIRED
-                session.error = SessionExpired(
-                    f"session {session.id[:8]}... was idle for over {self.idle_timeout_s:g} s and "
-                    f"its sandbox {session.lease.id} was reclaimed; raise idle_timeout_s if "
-                    "episodes pause that long"
-                )
-                self.reclaimed += 1
-                reaped.append(session.id)
-                await self.pool.release(session.lease, reusable=session.lease.broken is None)
-            elif now - session.last_used > 4 * self.idle_timeout_s:
-                del self._sessions[session.id]  # forget tombstones eventually
+            if self._locks.held(session.id):
+                continue
+            async with self._locks.hold(session.id):
+                now = self._clock()
+                if session.state is SessionState.ACTIVE:
+                    if now - session.last_used <= self.idle_timeout_s:
+                        continue
+                    session.error = SessionExpired(
+                        f"session {session.id[:8]}... was idle for over {self.idle_timeout_s:g} s "
+                        f"and its sandbox {session.lease.id} was reclaimed; raise idle_timeout_s "
+                        "if episodes pause that long"
+                    )
+                    await self._release(session, SessionState.EXPIRED)
+                    self.reclaimed += 1
+                    reaped.append(session.id)
+                elif now - session.last_used > 4 * self.idle_timeout_s:
+                    self._sessions.pop(session.id, None)  # forget tombstones eventually
         return reaped
 
     def start_reaper(self) -> None:
