@@ -12,12 +12,19 @@ when its stamp, a hash of ``pyproject.toml``, the pins and the interpreter, chan
 
 The README-commands test (``test_readme_commands.py``) runs in the 0.4 session only: the
 README's install path is the one that resolves here (Python 3.12, nemo-gym 0.4.0).
+
+``nox -s openhands`` runs ``tests/openhands`` with openhands-sdk/-tools/-workspace/-agent-server
+1.58.2. Its venv is big, so it lives under ``sandpool_home()/venvs/<name>-<hash of the pins>``,
+shared by every clone on the machine (a warm CI run reuses it); sandpool itself is not
+installed there but imported from this checkout (``PYTHONPATH``), so one venv serves any clone.
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import sys
+import time
 import os
 import shutil
 import subprocess
@@ -97,3 +104,44 @@ def nemo_gym_07(session: nox.Session) -> None:
     """tests/nemo_gym with nemo-gym 0.7.0 on pyenv's 3.13.0 (``--ignore-requires-python``)."""
     py = _nemo_venv(session, "0.7.0", _pyenv_python("3.13", exact="3.13.0"), "--ignore-requires-python")
     _pytest(session, py, f"--ignore={README_TEST}")
+
+
+OPENHANDS_SDK = ["openhands-sdk==1.58.2", "openhands-tools==1.58.2", "openhands-workspace==1.58.2",
+                 "openhands-agent-server==1.58.2"]
+
+
+def _sandpool_deps() -> list[str]:
+    """sandpool's own runtime dependencies, from pyproject.toml."""
+    import tomllib
+
+    return list(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
+
+
+def _cached_venv(session: nox.Session, name: str, pins: list[str]) -> Path:
+    """Return the cached venv ``name`` holding ``pins``, building it on first use (timed)."""
+    reqs = sorted([*pins, *_sandpool_deps(), *NEMO_TEST_DEPS])
+    key = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:12]
+    home = Path(os.environ.get("SANDPOOL_HOME") or Path.home() / ".cache" / "sandpool")
+    venv = home / "venvs" / f"{name}-{key}"
+    stamp = venv / ".installed"
+    if stamp.exists():
+        return venv
+    shutil.rmtree(venv, ignore_errors=True)
+    t0 = time.monotonic()
+    session.run(_pyenv_python("3.12"), "-m", "venv", str(venv), external=True)
+    session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *reqs, external=True)
+    stamp.write_text("\n".join(reqs) + "\n")
+    print(f"{name}: cold install took {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    return venv
+
+
+def _run_pytest(session: nox.Session, venv: Path, tests: str) -> None:
+    env = {"PYTHONPATH": str(ROOT), "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    session.run(str(venv / "bin" / "python"), "-m", "pytest", tests, "-p", "no:cacheprovider",
+                *session.posargs, env=env, external=True)
+
+
+@nox.session(python=False)
+def openhands(session: nox.Session) -> None:
+    """Run tests/openhands with the real OpenHands SDK 1.58.2 (cached venv, built as needed)."""
+    _run_pytest(session, _cached_venv(session, "openhands-sdk", OPENHANDS_SDK), "tests/openhands")

@@ -1,0 +1,173 @@
+"""One OpenHands conversation on a leased sandbox, and an episode that grades it.
+
+The agent loop and its LLM calls stay on the host (how an RL trainer with a local inference
+server runs OpenHands); the terminal and file-editor tools act in the sandbox
+(:mod:`sandpool.integrations.openhands.tools`). The conversation's host-side working directory
+is a fresh scratch directory, never the sandbox's path, so nothing OpenHands writes on the host
+(skills lookup, persisted output) lands in or reads from the task repo.
+
+An episode ends with sandpool's grader (:func:`sandpool.envs.grading.grade`); a sandbox that
+fails during the conversation raises its :class:`~sandpool.core.errors.InfraError`, so the
+rollout ends ``infra_failed``, never with reward 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from openhands.sdk import LLM, Agent, Conversation
+from openhands.sdk.event import Event, ObservationEvent
+
+from sandpool.core import errors
+from sandpool.core.pool import Lease
+from sandpool.core.rollout import Episode
+from sandpool.envs.grading import GradeResult, grade
+from sandpool.integrations.openhands.tools import SandboxLink, sandbox_tool_specs
+
+__all__ = ["ConversationError", "ConversationResult", "openhands_episode", "run_conversation",
+           "task_instruction"]
+
+
+class ConversationError(errors.InfraError):
+    """The host-side agent loop failed (the LLM endpoint, OpenHands itself), not the policy's
+    actions in the sandbox: retried, never scored."""
+
+    kind = "openhands_conversation"
+
+
+@dataclass
+class ConversationResult:
+    """What one conversation did.
+
+    Attributes:
+        status: OpenHands' final ``execution_status`` value (``finished``, ``stuck``, ...).
+        events: Every event of the conversation, in order.
+        tool_calls: How many tool observations the sandbox produced.
+        host_workdir: The conversation's host-side working directory (a scratch directory,
+            removed when the conversation ends).
+    """
+
+    status: str
+    host_workdir: str = ""
+    events: list[Event] = field(default_factory=list)
+    tool_calls: int = 0
+
+
+def task_instruction(lease: Lease) -> str:
+    """The first user message for a task: where the repo is and the problem statement."""
+    return (f"The repository is at {lease.workdir} (the sandbox's working directory). Resolve this "
+            f"issue by editing the code there; do not change the tests.\n\n"
+            f"{lease.task.problem_statement}")
+
+
+async def run_conversation(
+    lease: Lease,
+    llm: LLM,
+    instruction: str | None = None,
+    *,
+    max_iterations: int = 50,
+    command_timeout: float = 300.0,
+    agent_kwargs: dict[str, Any] | None = None,
+    callbacks: list[Callable[[Event], None]] | None = None,
+) -> ConversationResult:
+    """Run an OpenHands ``Agent`` with ``llm`` until it finishes, its tools in ``lease``.
+
+    The conversation runs on a worker thread (OpenHands' loop is synchronous); every tool call
+    comes back to this event loop to reach the sandbox.
+
+    Args:
+        lease: The claimed sandbox.
+        llm: The OpenHands LLM (a real endpoint, or ``openhands.sdk.testing.TestLLM``).
+        instruction: The first user message (default :func:`task_instruction`).
+        max_iterations: OpenHands' ``max_iteration_per_run``.
+        command_timeout: Seconds a terminal command may run when the LLM sets no timeout.
+        agent_kwargs: Extra ``Agent`` fields (condenser, system prompt, ...).
+        callbacks: Extra conversation callbacks, called on OpenHands' thread with each event.
+
+    Returns:
+        The :class:`ConversationResult`.
+
+    Raises:
+        InfraError: The sandbox failed during the conversation (it died, its channel broke).
+        ConversationError: The agent loop itself raised (e.g. the LLM endpoint failed).
+    """
+    link = SandboxLink(lease)
+    scratch = tempfile.mkdtemp(prefix="sandpool-openhands-")
+    agent = Agent(llm=llm, tools=sandbox_tool_specs(link, default_timeout=command_timeout),
+                  **(agent_kwargs or {}))
+    events: list[Event] = []
+    holder: dict[str, Any] = {}
+
+    def on_event(event: Event) -> None:
+        events.append(event)
+        # A sandbox failure ends the conversation at the next step: OpenHands would otherwise
+        # show the LLM the error and go on, on a sandbox that no longer exists.
+        if link.failure is not None and "conversation" in holder:
+            holder["conversation"].pause()
+
+    def run() -> str:
+        conv = Conversation(agent=agent, workspace=scratch, callbacks=[on_event, *(callbacks or [])],
+                            max_iteration_per_run=max_iterations, visualizer=None,
+                            stuck_detection=True)
+        holder["conversation"] = conv
+        try:
+            conv.send_message(instruction or task_instruction(lease))
+            conv.run()
+            return str(conv.state.execution_status.value)
+        finally:
+            conv.close()
+
+    try:
+        status = await asyncio.to_thread(run)
+    except Exception as exc:
+        if link.failure is not None:
+            raise link.failure from exc
+        raise ConversationError(f"OpenHands conversation on {lease.id} failed: "
+                                f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        link.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    if link.failure is not None:
+        raise link.failure
+    if lease.broken is not None:
+        raise lease.broken
+    tool_calls = sum(isinstance(e, ObservationEvent) for e in events)
+    return ConversationResult(status=status, events=events, tool_calls=tool_calls, host_workdir=scratch)
+
+
+def openhands_episode(
+    make_llm: Callable[[Lease], LLM],
+    *,
+    instruction: Callable[[Lease], str] = task_instruction,
+    grade_timeout: float = 300.0,
+    on_result: Callable[[Lease, ConversationResult, GradeResult], None] | None = None,
+    **conversation_kwargs: Any,
+) -> Episode:
+    """An :data:`~sandpool.core.rollout.Episode` for :func:`~sandpool.core.rollout.run_rollout`:
+    an OpenHands conversation on the lease, then sandpool's grader.
+
+    Args:
+        make_llm: Returns the LLM for one rollout (called per attempt: a retry starts over).
+        instruction: The first user message for a lease.
+        grade_timeout: Seconds the task's tests may run.
+        on_result: Called with the conversation and grade of each graded rollout.
+        **conversation_kwargs: Passed to :func:`run_conversation`.
+
+    Returns:
+        An episode whose reward is :attr:`GradeResult.reward` (1.0 resolved, 0.0 not); it
+        raises the sandbox's ``InfraError`` instead of scoring an infra failure.
+    """
+
+    async def episode(lease: Lease) -> float:
+        conv = await run_conversation(lease, make_llm(lease), instruction(lease), **conversation_kwargs)
+        result = await grade(lease, lease.task, timeout=grade_timeout)
+        if on_result is not None:
+            on_result(lease, conv, result)
+        return result.reward
+
+    return episode
