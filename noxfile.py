@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import sys
-import time
 import os
 import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import nox
