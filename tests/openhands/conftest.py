@@ -17,7 +17,7 @@ import pytest
 os.environ.setdefault("OPENHANDS_SUPPRESS_BANNER", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-if importlib.util.find_spec("openhands.sdk") is None:  # the main venv: nox -s openhands runs these
+if importlib.util.find_spec("openhands") is None:  # the main venv: nox -s openhands runs these
     collect_ignore_glob = ["test_*.py"]
 else:
     from openhands.sdk.llm import Message, MessageToolCall, TextContent
