@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import gymnasium as gym
@@ -25,6 +24,8 @@ from sandpool.core import Task
 from sandpool.core.backends.local import LocalBackend
 from sandpool.integrations.gymnasium import ENV_ID, BackgroundPool, SWEEnv, SWEVectorEnv
 from sandpool.integrations.gymnasium._text import CHARSET, to_text, truncate
+
+from .waiting import wait_until
 
 # -- the tiny calc image from conftest, with non-ASCII issue text ----------------------------
 
@@ -148,10 +149,11 @@ def test_a_command_that_hangs_is_killed_at_the_step_timeout(opts: dict) -> None:
     env = gym.make(ENV_ID, **{**opts, "step_timeout": 1.0})
     try:
         env.reset(seed=0)
-        t0 = time.monotonic()
         obs, reward, term, trunc, info = env.step("sleep 60")
-        assert time.monotonic() - t0 < 10
+        # 124 and the flag, not a finished sleep (0): it was killed at the step timeout.
         assert obs["exit_code"] == 124 and info["timed_out"] and not (term or trunc) and reward == 0.0
+        u = env.unwrapped
+        assert not any("sleep 60" in p for p in u.pool.run(u.sandbox.processes()))
         obs, *_ = env.step("echo still-here")
         assert obs["stdout"] == "still-here\n"
     finally:
@@ -329,14 +331,39 @@ def test_garbage_collected_env_leaves_no_sandbox(opts: dict) -> None:
     run_dir = env.pool.pool.backend._run_dir
     del env
     gc.collect()
-    deadline = time.monotonic() + 30
-    while (_alive(pid) or run_dir.exists()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(pid) and not run_dir.exists()
+    wait_until(lambda: not _alive(pid) and not run_dir.exists(), "the finalizer to delete the sandbox")
 
 
-@pytest.mark.parametrize("how", ["sigint-mid-step", "exit-without-close"])
+def _descendant_with_argv(root: int, argv: list[str]) -> int | None:
+    """The pid of a process running ``argv`` under ``root`` (by parent links), if any."""
+    want = [a.encode() for a in argv]
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if (d / "cmdline").read_bytes().split(b"\0")[:-1] != want:
+                continue
+            pid = int(d.name)
+            while pid > 1:
+                if pid == root:
+                    return int(d.name)
+                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):  # it exited while we looked
+            continue
+    return None
+
+
+_STEP = ["sleep", "50"]  # what the interrupted step runs in the sandbox
+
+
+@pytest.mark.parametrize("how", ["sigint-mid-step", "sigint-as-step-starts", "exit-without-close"])
 def test_interrupted_or_unclosed_process_leaves_no_sandbox(opts: dict, how: str) -> None:
+    """SIGINT at any point of a step ends the process with KeyboardInterrupt and no sandbox.
+
+    ``sigint-mid-step`` waits for the step's command to be running in the sandbox (its process
+    appears under the sandbox's process tree) before the signal; ``sigint-as-step-starts``
+    sends it as soon as the env says it is about to step, wherever the process then is.
+    """
     code = textwrap.dedent(f"""
         import json, sys, gymnasium as gym, sandpool
         from sandpool.core import Task
@@ -345,28 +372,35 @@ def test_interrupted_or_unclosed_process_leaves_no_sandbox(opts: dict, how: str)
         env.reset(seed=0)
         u = env.unwrapped
         print(json.dumps({{"pid": u.sandbox.pid, "run_dir": str(u.pool.pool.backend._run_dir)}}), flush=True)
-        if sys.argv[3] == "sigint-mid-step":
-            env.step("sleep 50")   # SIGINT arrives here
+        if sys.argv[3].startswith("sigint"):
+            env.step({" ".join(_STEP)!r})   # SIGINT arrives here
             print("not interrupted", flush=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code, opts["tasks"][0].model_dump_json(),
                              opts["backend_options"]["images_root"], how],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    step_pid = None
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         state = json.loads(line)
         assert _alive(state["pid"])
         if how == "sigint-mid-step":
-            time.sleep(0.5)
+            step_pid = wait_until(
+                lambda: proc.poll() is not None or _descendant_with_argv(state["pid"], _STEP),
+                "the step's command to run in the sandbox")
+            assert proc.poll() is None, proc.communicate()
+        if how.startswith("sigint"):
             proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    if how == "sigint-mid-step":
-        assert "KeyboardInterrupt" in err and proc.returncode != 0
+    if how.startswith("sigint"):
+        assert "KeyboardInterrupt" in err and proc.returncode != 0, (out, err)
+        assert "not interrupted" not in out
     else:
         assert proc.returncode == 0, err
     assert not _alive(state["pid"])
+    assert step_pid is None or not _alive(step_pid)
     assert not Path(state["run_dir"]).exists()

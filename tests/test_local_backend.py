@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, erro
 from sandpool.core.backends.local import LocalBackend, reap_stale
 
 from .conftest import CALC_IMAGE
+from .waiting import until
 
 
 async def test_no_network(local_backend):
@@ -117,10 +117,7 @@ async def test_sandbox_dies_with_its_runner(test_images_root, calc_commits):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert not Path(f"/proc/{pid}").exists()
+    await until(lambda: not Path(f"/proc/{pid}").exists(), "the sandbox to die with its runner")
     state = test_images_root.parent / "local"
     assert run_id in reap_stale(state)
     assert not (state / run_id).exists()
@@ -130,11 +127,9 @@ async def test_sandbox_dies_with_its_runner(test_images_root, calc_commits):
 async def test_dead_agent_is_sandbox_died(local_backend):
     sb = await local_backend.create(CALC_IMAGE)
     local_backend.kill(sb)
+    await until(lambda: not sb.alive(), "the killed sandbox's channel to close")
     with pytest.raises(errors.SandboxDied):
-        for _ in range(50):
-            await sb.exec("true")
-            await asyncio.sleep(0.02)
-    assert not sb.alive()
+        await sb.exec("true")
 
 
 async def test_unknown_image_names_the_fix(local_backend):
@@ -152,8 +147,7 @@ async def test_reset_removes_modified_untracked_ignored_files_and_processes(
                              " git commit -qam wip; sleep 500 &")
             first = lease.id
         await pool.wait_warm()
-        while pool.counters.resets == 0:
-            await asyncio.sleep(0.02)
+        await until(lambda: pool.counters.resets, "the in-place reset")
         async with pool.claim(calc_task) as lease:
             assert lease.id == first  # reused in place, not recreated
             res = await lease.exec("git status --porcelain --ignored; git rev-parse HEAD; ls -A /tmp")
@@ -167,8 +161,7 @@ async def test_failed_reset_quarantines_the_sandbox(test_images_root, calc_task)
         async with pool.claim(calc_task) as lease:
             await lease.exec("rm -rf .git")  # nothing left to reset to
             broken = lease.id
-        while pool.counters.quarantines == 0:
-            await asyncio.sleep(0.02)
+        await until(lambda: pool.counters.quarantines, "the quarantine")
         async with pool.claim(calc_task) as lease:
             assert lease.id != broken
             assert (await lease.exec("git rev-parse HEAD")).text.strip() == calc_task.base_commit
@@ -184,7 +177,7 @@ async def test_sandbox_killed_mid_rollout_is_infra_failed_and_retried(test_image
         await lease.exec("true")
         if len(attempts) == 1:
             backend.kill(lease.sandbox)  # as an OOM kill or eviction would
-            await asyncio.sleep(0.1)
+            await until(lambda: not lease.sandbox.alive(), "the killed sandbox's channel to close")
         res = await lease.exec("python -m pytest -q test_calc.py", timeout=60)
         return 1.0 if res.ok else 0.0
 

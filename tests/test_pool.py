@@ -20,6 +20,7 @@ from sandpool.core import (
 )
 
 from .memory_backend import MemoryBackend
+from .waiting import until
 
 
 def task(i: int = 0, image: str = "img-a") -> Task:
@@ -50,9 +51,8 @@ async def test_warm_claim_is_a_hit_and_reuse_keeps_the_sandbox():
         await pool.prepare([task(0)], concurrency=1)
         assert len(backend.live) == 1
         for i in range(3):
-            async with pool.claim(task(i)) as lease:
+            async with pool.claim(task(i)) as lease:  # its release returns once reset
                 await lease.exec("echo hi")
-            await asyncio.sleep(0.01)
         assert pool.counters.created == 1
         assert pool.counters.resets == 3
         assert pool.counters.warm_hits == 3
@@ -66,8 +66,8 @@ async def test_cold_creates_per_rollout_and_deletes_after():
         for i in range(3):
             async with pool.claim(task(i)) as lease:
                 await lease.exec("true")
-            await asyncio.sleep(0.01)
-        assert pool.counters.created == 3 and backend.live == {}
+        await until(lambda: not backend.live, "the background deletes")
+        assert pool.counters.created == 3
 
 
 async def test_live_cap_is_never_exceeded():
@@ -102,12 +102,13 @@ async def test_cancelled_claim_leaks_no_slot():
     backend = MemoryBackend(create_delay=0.05)
     async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
         waiter = asyncio.create_task(pool.acquire(task(0)))
-        await asyncio.sleep(0.01)
+        await until(lambda: backend.created_at, "the claim to start a creation")
         waiter.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiter
-        await asyncio.sleep(0.1)  # the creation finishes and lands idle
-        lease = await asyncio.wait_for(pool.acquire(task(0)), 1.0)
+        await until(lambda: backend.live, "the creation to finish")
+        # The one slot must not have leaked: this claim gets the sandbox the cancelled one made.
+        lease = await asyncio.wait_for(pool.acquire(task(0)), 60.0)
         assert lease.sandbox.id == "mem-1"
         await pool.release(lease)
 
@@ -175,8 +176,8 @@ async def test_dirty_reset_is_quarantined_not_reused():
 
         sb.exec = never_clean
         await pool.release(lease)
-        await asyncio.sleep(0.05)
-        assert pool.counters.quarantines == 1 and sb.id not in backend.live
+        await until(lambda: sb.id not in backend.live, "the quarantined sandbox's delete")
+        assert pool.counters.quarantines == 1
         assert "working tree not clean" in pool.counters.quarantine_reasons[0]
         lease2 = await pool.acquire(task(0))
         assert lease2.sandbox.id != sb.id
