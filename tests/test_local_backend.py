@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -101,11 +103,14 @@ async def test_cpu_memory_and_pid_limits_are_enforced(test_images_root, calc_com
 
 async def test_sandbox_dies_with_its_runner(test_images_root, calc_commits):
     """kill -9 of the runner leaves no sandbox process; the next preflight reaps its state."""
+    # A state directory of its own: in the shared one, any other run's preflight may reap
+    # the dead run first.
+    state = test_images_root.parent / f"test-state-{uuid.uuid4().hex[:8]}"
     script = textwrap.dedent(f"""
         import asyncio, sys
         from sandpool.core.backends.local import LocalBackend
         async def main():
-            b = LocalBackend({str(test_images_root)!r})
+            b = LocalBackend({str(test_images_root)!r}, state_root={str(state)!r})
             sb = await b.create({CALC_IMAGE!r})
             await sb.exec("sleep 600 &")
             print(sb.pid, b.run_id, flush=True)
@@ -118,10 +123,12 @@ async def test_sandbox_dies_with_its_runner(test_images_root, calc_commits):
     proc.wait()
     proc.stdout.close()
     await until(lambda: not Path(f"/proc/{pid}").exists(), "the sandbox to die with its runner")
-    state = test_images_root.parent / "local"
-    assert run_id in reap_stale(state)
-    assert not (state / run_id).exists()
-    assert run_id not in Path("/proc/self/mountinfo").read_text()
+    try:
+        assert reap_stale(state) == [run_id]
+        assert not (state / run_id).exists()
+        assert run_id not in Path("/proc/self/mountinfo").read_text()
+    finally:
+        shutil.rmtree(state, ignore_errors=True)
 
 
 async def test_dead_agent_is_sandbox_died(local_backend):
