@@ -23,7 +23,7 @@ import sandpool
 from sandpool.core import Task
 from sandpool.core.backends.local import LocalBackend
 from sandpool.integrations.gymnasium import ENV_ID, BackgroundPool, SWEEnv, SWEVectorEnv
-from sandpool.integrations.gymnasium._text import CHARSET, to_text, truncate
+from sandpool.integrations.gymnasium._text import CHARSET, from_text, to_text, truncate
 
 from .waiting import wait_until
 
@@ -121,9 +121,10 @@ def test_output_outside_the_charset_is_escaped_and_long_output_cut(opts: dict) -
     try:
         obs, info = env.reset(seed=0)
         assert obs in env.observation_space
-        assert "Caf\\xe9 \\u2713" in obs["problem_statement"]
-        obs, *_, info = env.step(r"printf 'caf\xc3\xa9 \xff \xf0\x9f\x98\x80 \x1b[1m\r\n'; echo err >&2")
-        assert obs["stdout"] == "caf\\xe9 \\xff \\U0001f600 \\x1b[1m\n"
+        assert "Caf\\u00e9 \\u2713" in obs["problem_statement"]
+        obs, *_, info = env.step(r"printf 'caf\xc3\xa9 \xff \xf0\x9f\x98\x80 \x1b[1m \\xe9\r\n'; echo err >&2")
+        assert obs["stdout"] == "caf\\u00e9 \\xff \\U0001f600 \\u001b[1m \\\\xe9\\r\n"
+        assert from_text(obs["stdout"]) == b"caf\xc3\xa9 \xff \xf0\x9f\x98\x80 \x1b[1m \\xe9\r\n"
         assert obs["stderr"] == "err\n" and obs["exit_code"] == 0
         assert obs in env.observation_space and not info["output_truncated"]
         obs, *_, info = env.step("python -c \"print('a' * 5000 + 'b' * 5000)\"")
