@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import gc
 import json
+import math
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from gymnasium.utils.env_checker import check_env
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 
 import sandpool
-from sandpool.core import Task
+from sandpool.core import PoolLimits, Task, errors
 from sandpool.core.backends.local import LocalBackend
 from sandpool.integrations.gymnasium import ENV_ID, BackgroundPool, SWEEnv, SWEVectorEnv
 from sandpool.integrations.gymnasium._text import CHARSET, from_text, to_text, truncate
@@ -259,25 +260,63 @@ def test_gymnasium_vector_wrappers_over_the_single_env(opts: dict, task: Task, m
 
 # -- infra failures are never a reward ----------------------------------------------------------
 
-def test_killed_sandbox_ends_the_episode_as_infra_failed_and_is_counted(opts: dict) -> None:
+def _kill_mid_episode(env) -> None:
+    env.reset(seed=0)
+    backend = env.unwrapped.pool.pool.backend
+    assert isinstance(backend, LocalBackend)
+    backend.kill(env.unwrapped.sandbox)
+
+
+def test_killed_sandbox_gives_a_nan_reward_by_default_and_is_counted(opts: dict) -> None:
     env = gym.make(ENV_ID, **opts)
     try:
-        env.reset(seed=0)
-        backend = env.unwrapped.pool.pool.backend
-        assert isinstance(backend, LocalBackend)
-        backend.kill(env.unwrapped.sandbox)
-        obs, reward, term, trunc, info = env.step("echo hi")
-        assert trunc and not term and info["infra_failed"] and info["error_kind"] == "sandbox_died"
+        _kill_mid_episode(env)
+        with pytest.warns(UserWarning, match="NaN"):  # Gymnasium's own checker flags it too
+            obs, reward, term, trunc, info = env.step("echo hi")
+        assert math.isnan(reward) and trunc and not term
+        assert info["infra_failed"] and info["error_kind"] == "sandbox_died"
         assert obs in env.observation_space
         report = env.unwrapped.report()
         assert report.failures["infra_failed"] == 1 and report.reward.scored == 0
         assert report.infra_errors_by_kind.get("sandbox_died", 0) >= 1
         assert report.rollouts[0].reward is None
+        with pytest.raises(gym.error.ResetNeeded):
+            env.step("true")
         obs, info = env.reset()  # a fresh sandbox afterwards
         obs, *_ = env.step("echo back")
         assert obs["stdout"] == "back\n"
     finally:
         env.close()
+
+
+def test_killed_sandbox_raises_when_asked_to(opts: dict) -> None:
+    env = gym.make(ENV_ID, on_infra_failure="raise", **opts)
+    try:
+        _kill_mid_episode(env)
+        with pytest.raises(errors.SandboxDied):
+            env.step("echo hi")
+        report = env.unwrapped.report()
+        assert report.failures["infra_failed"] == 1 and report.rollouts[0].reward is None
+        with pytest.raises(gym.error.ResetNeeded):
+            env.step("true")
+    finally:
+        env.close()
+
+
+def test_killed_sandbox_is_a_flagged_zero_only_when_opted_in(opts: dict) -> None:
+    env = gym.make(ENV_ID, on_infra_failure="truncate", **opts)
+    try:
+        _kill_mid_episode(env)
+        _, reward, term, trunc, info = env.step("echo hi")
+        assert (reward, term, trunc, info["infra_failed"]) == (0.0, False, True, True)
+        assert env.unwrapped.report().rollouts[0].reward is None  # still not a score
+    finally:
+        env.close()
+
+
+def test_unknown_infra_failure_mode_names_the_choices(opts: dict) -> None:
+    with pytest.raises(errors.ConfigError, match="on_infra_failure='zero'.*'nan', 'raise', 'truncate'"):
+        gym.make(ENV_ID, on_infra_failure="zero", **opts)
 
 
 def test_vector_env_infra_failure_hits_only_that_sub_env(opts: dict) -> None:
@@ -287,11 +326,44 @@ def test_vector_env_infra_failure_hits_only_that_sub_env(opts: dict) -> None:
         envs.pool.pool.backend.kill(envs.sandbox(1))
         obs, rew, term, trunc, info = envs.step(("echo ok", "echo lost"))
         assert trunc.tolist() == [False, True] and obs["stdout"][0] == "ok\n"
+        assert rew[0] == 0.0 and math.isnan(rew[1])
         assert info["infra_failed"].tolist() == [False, True]
         assert info["error_kind"][1] == "sandbox_died"
         assert envs.report().failures["infra_failed"] == 1
     finally:
         envs.close()
+
+
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_failed_autoreset_keeps_the_other_sub_envs_results(opts: dict, task: Task, mode: str) -> None:
+    """Sub-env 0's autoreset cannot get a sandbox (the pool is full: claim timeout, infra);
+    sub-env 1's step in the same batch is still returned, and sub-env 0 resets later."""
+    kw = {k: v for k, v in opts.items() if k != "backend_options"}
+    shared = BackgroundPool(strategy="reuse", limits=PoolLimits(max_live=2, claim_timeout=2.0),
+                            backend_options=opts["backend_options"])
+    envs = gym.make_vec(ENV_ID, num_envs=2, pool=shared, claim_retries=0, on_infra_failure=mode, **kw)
+    try:
+        envs.reset(seed=0)
+        _, _, term, _, _ = envs.step(("submit", "echo a"))
+        assert term.tolist() == [True, False]
+        held = shared.run(shared.pool.acquire(task))  # sub-env 0's sandbox, now taken
+        if mode == "raise":
+            with pytest.raises(errors.InfraTimeout) as raised:
+                envs.step(("ignored", "echo b"))
+            obs, rew, term, trunc, info = raised.value.step_results
+        else:
+            obs, rew, term, trunc, info = envs.step(("ignored", "echo b"))
+        assert obs["stdout"][1] == "b\n" and rew[1] == 0.0 and not trunc[1]
+        assert math.isnan(rew[0]) and trunc[0] and not term[0]
+        assert info["reset_failed"][0] and info["infra_failed"][0] and not info["_reset_failed"][1]
+        assert info["error_kind"][0] == "infra_timeout"
+        shared.run(held.release())
+        obs, rew, term, trunc, info = envs.step(("ignored", "echo c"))  # the reset, retried
+        assert info["_sandbox_id"].tolist() == [True, False] and obs["stdout"][1] == "c\n"
+        assert shared.report().failures["infra_failed"] == 1
+    finally:
+        envs.close()
+        shared.close()
 
 
 # -- cleanup -----------------------------------------------------------------------------------

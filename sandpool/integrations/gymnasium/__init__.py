@@ -12,6 +12,9 @@ default shared memory handles ``Text`` (one ``int32`` per character of ``max_len
 character by character); ``shared_memory=False`` pickles the strings instead and is faster
 for these long text observations, so it is the recommended setting. Each ``AsyncVectorEnv``
 worker has its own pool: a :class:`BackgroundPool` cannot be shared across processes.
+
+Observation text escapes what is outside :data:`CHARSET` reversibly; :func:`from_text`
+gives back the exact bytes (see :mod:`sandpool.integrations.gymnasium._text`).
 """
 
 from __future__ import annotations
@@ -21,16 +24,18 @@ from typing import TYPE_CHECKING, Any
 from sandpool.integrations.gymnasium.registration import ENV_ID, register_envs
 
 if TYPE_CHECKING:
-    from sandpool.integrations.gymnasium._text import CHARSET
+    from sandpool.integrations.gymnasium._text import CHARSET, from_text
     from sandpool.integrations.gymnasium.background import BackgroundPool
     from sandpool.integrations.gymnasium.env import SWEEnv
     from sandpool.integrations.gymnasium.session import EnvConfig
     from sandpool.integrations.gymnasium.vector import SWEVectorEnv
 
-__all__ = ["CHARSET", "ENV_ID", "BackgroundPool", "EnvConfig", "SWEEnv", "SWEVectorEnv", "register_envs"]
+__all__ = ["CHARSET", "ENV_ID", "BackgroundPool", "EnvConfig", "SWEEnv", "SWEVectorEnv", "from_text",
+           "register_envs"]
 
 _LAZY = {
     "CHARSET": "sandpool.integrations.gymnasium._text",
+    "from_text": "sandpool.integrations.gymnasium._text",
     "BackgroundPool": "sandpool.integrations.gymnasium.background",
     "EnvConfig": "sandpool.integrations.gymnasium.session",
     "SWEEnv": "sandpool.integrations.gymnasium.env",

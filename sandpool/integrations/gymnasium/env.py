@@ -129,6 +129,12 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         max_problem_chars: Cap on ``problem_statement`` in an observation (characters).
         submit_command: The action that ends the episode and grades it.
         claim_retries: Extra claim attempts in ``reset`` after infra failures.
+        on_infra_failure: What ``step`` returns when the sandbox or its channel fails
+            mid-episode: ``"nan"`` (default: reward NaN, ``truncated=True``,
+            ``info["infra_failed"]=True``), ``"raise"`` (``step`` raises the ``InfraError``)
+            or ``"truncate"`` (reward 0.0, ``truncated=True``, the same ``info`` flag: only
+            for trainers that mask it). The rollout is reported ``infra_failed`` with no
+            reward whichever is chosen. See :mod:`sandpool.integrations.gymnasium.session`.
         render_mode: Must be ``None`` (no rendering).
 
     Raises:
@@ -155,6 +161,7 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         max_problem_chars: int = 65_536,
         submit_command: str = "submit",
         claim_retries: int = 2,
+        on_infra_failure: str = "nan",
         render_mode: str | None = None,
     ) -> None:
         if render_mode is not None:
@@ -163,7 +170,8 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         self.config = EnvConfig(max_steps=max_steps, step_timeout=step_timeout,
                                 grade_timeout=grade_timeout, max_output_chars=max_output_chars,
                                 max_action_chars=max_action_chars, max_problem_chars=max_problem_chars,
-                                submit_command=submit_command, claim_retries=claim_retries)
+                                submit_command=submit_command, claim_retries=claim_retries,
+                                on_infra_failure=on_infra_failure)
         self.observation_space, self.action_space = make_spaces(self.config)
         self.render_mode = None
         self._by_id = {t.instance_id: t for t in self.tasks}
@@ -241,11 +249,14 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
 
         Returns:
             ``(obs, reward, terminated, truncated, info)``; the reward is nonzero only at the end
-            of an episode (grading). See :mod:`sandpool.integrations.gymnasium.session`.
+            of an episode (grading), and NaN for an infra failure under the default
+            ``on_infra_failure="nan"``. See :mod:`sandpool.integrations.gymnasium.session`.
 
         Raises:
             gymnasium.error.ResetNeeded: No running episode.
             TypeError: ``action`` is not a string.
+            InfraError: Infra failed mid-episode and ``on_infra_failure="raise"`` (the
+                episode is over; it is reported ``infra_failed``).
         """
         self._check_open()
         if not isinstance(action, str):
@@ -253,6 +264,8 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         if self._session is None:
             raise gym.error.ResetNeeded("call reset() before step()")
         out = self._owner.ensure_runner().run(self._session.step(str(action)))
+        if out.infra_error is not None and self.config.on_infra_failure == "raise":
+            raise out.infra_error
         return out.obs, out.reward, out.terminated, out.truncated, out.info
 
     def write_file(self, path: str, data: bytes | str) -> None:

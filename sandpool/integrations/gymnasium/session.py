@@ -14,10 +14,22 @@ Episode, from the policy's side:
   limit is reached (``truncated=True``); then the task's tests run and give the reward (1.0
   resolved, else 0.0), and the sandbox goes back to the pool at once.
 * An infra failure (the sandbox died, the command channel broke, an infra timeout) ends the
-  episode with ``truncated=True``, ``info["infra_failed"]=True`` and ``info["error_kind"]``.
-  Its reward is reported as ``0.0`` only because Gymnasium needs a float: it is *not a score*.
-  The rollout is recorded as ``infra_failed`` with ``reward=None`` and counted in the pool's
-  report; trainers must drop it (or mask it) rather than learn from it.
+  episode. It is recorded as ``infra_failed`` with ``reward=None`` and counted in the pool's
+  report, never scored. What ``step`` returns is set by ``on_infra_failure`` (a
+  ``gym.make`` keyword), so that a trainer cannot take it for a reward without noticing:
+
+  * ``"nan"`` (default): reward ``float("nan")``, ``truncated=True``,
+    ``info["infra_failed"]=True``, ``info["error_kind"]`` and ``info["error"]``. A NaN
+    poisons any return or loss it enters, so an unmasked failure shows up at once instead
+    of teaching the policy that its actions scored 0.
+  * ``"raise"``: ``step`` raises the :class:`~sandpool.core.errors.InfraError` (the episode
+    is over; call ``reset``).
+  * ``"truncate"``: reward ``0.0``, ``truncated=True``, the same ``info`` flags. Opt in only
+    if the trainer masks ``info["infra_failed"]`` itself: read without the mask, the 0.0 is
+    indistinguishable from a failed attempt.
+
+  Which errors are infra is decided by the core's failure classification (the
+  :mod:`sandpool.core.errors` tree), not here.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from gymnasium import spaces
@@ -38,12 +50,21 @@ from sandpool.core.task import Task
 from sandpool.integrations.gymnasium._text import CHARSET, to_text, truncate
 from sandpool.integrations.gymnasium.background import BackgroundPool
 
-__all__ = ["EnvConfig", "Session", "StepOutput", "load_task_list", "make_spaces"]
+__all__ = ["INFRA_FAILURE_MODES", "EnvConfig", "Session", "StepOutput", "is_infra", "load_task_list",
+           "make_spaces"]
+
+#: The values of ``on_infra_failure`` -> the reward ``step`` reports for an infra failure.
+INFRA_FAILURE_MODES: dict[str, float] = {"nan": float("nan"), "raise": float("nan"), "truncate": 0.0}
 
 #: ``exit_code`` in the observation before any command ran in the episode (and on submit).
 NO_EXIT_CODE = -1
 _PROBE = "true"  # the first command of an episode; its answer ends TTFC
 _PROBE_TIMEOUT_S = 30.0
+
+
+def is_infra(exc: BaseException) -> TypeGuard[errors.InfraError]:
+    """True when ``exc`` is an infra failure: retried, reported ``infra_failed``, never scored."""
+    return isinstance(exc, errors.InfraError)
 
 
 @dataclass(frozen=True)
@@ -67,6 +88,10 @@ class EnvConfig:
             and grades it.
         claim_retries: Extra claims ``reset`` makes after an infra failure of the claim or of
             the first command, before it raises.
+        on_infra_failure: What ``step`` returns when infra fails mid-episode: ``"nan"``
+            (default; NaN reward, truncated, flagged in ``info``), ``"raise"`` (the
+            ``InfraError``) or ``"truncate"`` (0.0 reward, truncated, flagged). See the
+            module docstring.
     """
 
     max_steps: int = 30
@@ -77,8 +102,13 @@ class EnvConfig:
     max_problem_chars: int = 65_536
     submit_command: str = "submit"
     claim_retries: int = 2
+    on_infra_failure: str = "nan"
 
     def __post_init__(self) -> None:
+        if self.on_infra_failure not in INFRA_FAILURE_MODES:
+            raise errors.ConfigError(
+                f"on_infra_failure={self.on_infra_failure!r} is not known; use one of "
+                f"{list(INFRA_FAILURE_MODES)} (see sandpool.integrations.gymnasium.session)")
         if self.max_steps < 1:
             raise errors.ConfigError(f"max_steps={self.max_steps}: must be at least 1")
         for name in ("step_timeout", "grade_timeout"):
@@ -151,13 +181,18 @@ def load_task_list(tasks: Any) -> list[Task]:
 
 @dataclass
 class StepOutput:
-    """What one env step returns, before the vector env batches it."""
+    """What one env step returns, before the vector env batches it.
+
+    ``infra_error`` is set when infra failed: the env raises it with
+    ``on_infra_failure="raise"``.
+    """
 
     obs: dict[str, Any]
     reward: float
     terminated: bool
     truncated: bool
     info: dict[str, Any]
+    infra_error: errors.InfraError | None = None
 
 
 class Session:
@@ -230,8 +265,11 @@ class Session:
             try:
                 self.lease = await self.runner.pool.acquire(task)
                 await self.lease.exec(_PROBE, timeout=_PROBE_TIMEOUT_S)
-            except errors.InfraError as exc:  # already counted by the pool or the lease
-                last = exc
+            except BaseException as exc:
+                if not is_infra(exc):  # interrupted, or not infra: the claim is not kept
+                    await asyncio.shield(self.release(reusable=False))
+                    raise
+                last = exc  # already counted by the pool or the lease
                 await self.release(reusable=False)
                 continue
             lease = self.lease
@@ -287,11 +325,11 @@ class Session:
                 reward = await self._finish(info, submitted=False)
                 return StepOutput(obs, reward, False, True, info)
             return StepOutput(obs, 0.0, False, False, info)
-        except errors.InfraError as exc:
-            return await self._infra_failed(exc, info)
-        except BaseException:
-            # Interrupted mid-command (KeyboardInterrupt, cancellation): the sandbox may still
-            # run it, so it is not handed back for reuse.
+        except BaseException as exc:
+            if is_infra(exc):
+                return await self._infra_failed(exc, info)
+            # Interrupted mid-command (KeyboardInterrupt, cancellation), or not infra: the
+            # sandbox may still run the command, so it is not handed back for reuse.
             self.done = True
             await asyncio.shield(self.release(reusable=False))
             raise
@@ -319,11 +357,17 @@ class Session:
 
     async def _infra_failed(self, exc: errors.InfraError, info: dict[str, Any]) -> StepOutput:
         self._record(Outcome.INFRA_FAILED, None, error=exc)
-        info.update(infra_failed=True, error_kind=exc.kind, error=str(exc))
         self.done = True
         await self.release(reusable=False)
         obs, _ = self._obs()
-        return StepOutput(obs, 0.0, False, True, info)
+        return self.infra_failure(exc, obs, info)
+
+    def infra_failure(self, exc: errors.InfraError, obs: dict[str, Any],
+                      info: dict[str, Any]) -> StepOutput:
+        """The step result that reports ``exc`` as ``on_infra_failure`` says (not recorded here)."""
+        info.update(infra_failed=True, error_kind=exc.kind, error=str(exc))
+        return StepOutput(obs, INFRA_FAILURE_MODES[self.cfg.on_infra_failure], False, True, info,
+                          infra_error=exc)
 
     def _record(self, outcome: Outcome, reward: float | None,
                 error: errors.SandpoolError | None = None) -> None:

@@ -14,6 +14,22 @@ Autoreset (``metadata["autoreset_mode"]``):
   ``reset(options={"reset_mask": mask})`` (``mask``: ``np.bool_`` array of shape
   ``(num_envs,)``); stepping an ended sub-env raises ``ResetNeeded``.
 
+Infra failures (see ``on_infra_failure`` in :mod:`sandpool.integrations.gymnasium.session`)
+hit only the sub-env they happen in; every other sub-env's step result is kept:
+
+* a sub-env whose sandbox fails mid-episode reports the failure as the single env would
+  (default: reward NaN, ``truncated=True``, ``info["infra_failed"]``);
+* a sub-env whose autoreset fails (every claim failed) reports the same, with
+  ``info["reset_failed"]=True`` and its last observation, and is reset again at the next
+  step;
+* with ``on_infra_failure="raise"``, ``step`` first completes the whole batch, then raises
+  the first sub-env's ``InfraError`` with the batch as ``exc.step_results``
+  (``(obs, rewards, terminated, truncated, infos)``, the failed sub-envs flagged as above);
+  the env's state has advanced as if the batch had been returned, so stepping may go on.
+
+Any other error of a sub-env (bad input, a bug) is raised after the others finished their
+step, whose state is kept.
+
 Observations are batched as Gymnasium does for the single ``Dict`` space: ``Text`` keys become
 tuples of ``num_envs`` strings, ``exit_code`` an ``int64`` array of shape ``(num_envs,)``.
 """
@@ -43,6 +59,7 @@ from sandpool.integrations.gymnasium.session import (
     EnvConfig,
     Session,
     StepOutput,
+    is_infra,
     load_task_list,
     make_spaces,
 )
@@ -88,6 +105,7 @@ class SWEVectorEnv(VectorEnv):
         max_problem_chars: int = 65_536,
         submit_command: str = "submit",
         claim_retries: int = 2,
+        on_infra_failure: str = "nan",
         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
         render_mode: str | None = None,
     ) -> None:
@@ -108,7 +126,8 @@ class SWEVectorEnv(VectorEnv):
         self.config = EnvConfig(max_steps=max_steps, step_timeout=step_timeout,
                                 grade_timeout=grade_timeout, max_output_chars=max_output_chars,
                                 max_action_chars=max_action_chars, max_problem_chars=max_problem_chars,
-                                submit_command=submit_command, claim_retries=claim_retries)
+                                submit_command=submit_command, claim_retries=claim_retries,
+                                on_infra_failure=on_infra_failure)
         self.single_observation_space, self.single_action_space = make_spaces(self.config)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         self.action_space = batch_space(self.single_action_space, num_envs)
@@ -160,11 +179,15 @@ class SWEVectorEnv(VectorEnv):
                 raise errors.ConfigError(f"task id {task_id!r} is not among this env's tasks") from None
         return self.tasks[int(self._rngs[i].integers(len(self.tasks)))]
 
-    def _run_all(self, runner: BackgroundPool, coros: list[Any]) -> list[Any]:
+    @staticmethod
+    def _gather(runner: BackgroundPool, coros: list[Any]) -> list[Any]:
         async def gather() -> list[Any]:
             return await asyncio.gather(*coros, return_exceptions=True)
 
-        results = runner.run(gather())
+        return runner.run(gather())
+
+    def _run_all(self, runner: BackgroundPool, coros: list[Any]) -> list[Any]:
+        results = self._gather(runner, coros)
         for r in results:  # every sub-env has finished its part; now surface the first error
             if isinstance(r, BaseException):
                 raise r
@@ -253,6 +276,8 @@ class SWEVectorEnv(VectorEnv):
             gymnasium.error.ResetNeeded: Not reset yet, or (``DISABLED``) a sub-env ended and
                 was not reset.
             ValueError: Wrong number of actions.
+            InfraError: A sub-env's infra failed and ``on_infra_failure="raise"``; the batch
+                is on the exception as ``step_results`` (see the module docstring).
         """
         self._check_open()
         if not self._started.all():
@@ -268,21 +293,41 @@ class SWEVectorEnv(VectorEnv):
         resetting = self._autoreset.copy()
         coros = [self._sessions[i].reset(self._pick(i, None)) if resetting[i]
                  else self._sessions[i].step(acts[i]) for i in range(self.num_envs)]
-        results = self._run_all(runner, coros)
+        results = self._gather(runner, coros)
         rewards = np.zeros(self.num_envs, dtype=np.float64)
         terminated = np.zeros(self.num_envs, dtype=np.bool_)
         truncated = np.zeros(self.num_envs, dtype=np.bool_)
         infos: dict[str, Any] = {}
+        other: BaseException | None = None  # not an infra failure: raised once the batch is kept
+        infra: list[errors.InfraError] = []
         for i, r in enumerate(results):
-            if resetting[i]:
-                self._env_obs[i], info = r
-            else:
-                assert isinstance(r, StepOutput)
+            if isinstance(r, BaseException):
+                if not (resetting[i] and is_infra(r)):
+                    other = other or r
+                    continue
+                # The autoreset's claims all failed (already recorded as infra_failed):
+                # reported like an infra failure mid-episode; the next step resets again.
+                session = self._sessions[i]
+                tid = session.task.instance_id if session.task else None
+                r = session.infra_failure(r, self._env_obs[i] or {},
+                                          {"task_id": tid, "reset_failed": True})
+            if isinstance(r, StepOutput):
                 self._env_obs[i], info = r.obs, r.info
                 rewards[i], terminated[i], truncated[i] = r.reward, r.terminated, r.truncated
+                if r.infra_error is not None:
+                    infra.append(r.infra_error)
+            else:
+                self._env_obs[i], info = r
             infos = self._add_info(infos, info, i)
         self._autoreset = terminated | truncated
-        return self._batch_obs(), rewards, terminated, truncated, infos
+        if other is not None:
+            raise other
+        batch = (self._batch_obs(), rewards, terminated, truncated, infos)
+        if infra and self.config.on_infra_failure == "raise":
+            exc = infra[0]
+            exc.step_results = batch  # type: ignore[attr-defined]
+            raise exc
+        return batch
 
     def write_file(self, index: int, path: str, data: bytes | str) -> None:
         """Write a file into sub-env ``index``'s sandbox without a shell action (not a step).
