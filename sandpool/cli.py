@@ -54,7 +54,8 @@ def run(
     try:
         path = _default_tasks() if tasks == "default" else Path(tasks)
         rejected: list[RejectedTask] = []
-        task_list = load_tasks(path, rejected=rejected)
+        rows: dict[str, int] = {}
+        task_list = load_tasks(path, rejected=rejected, rows=rows)
         if limit:
             task_list = task_list[:limit]
         policies = [get_policy(p.strip(), base_url=chat_url, model=model) for p in policy.split(",") if p.strip()]
@@ -72,7 +73,8 @@ def run(
 
     with Progress(TextColumn("[bold]rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console) as bar:
-        job = bar.add_task("", total=len(task_list) * rollouts)
+        # Rejected rows count as the rollouts they would have been: the bar ends at its total.
+        job = bar.add_task("", total=(len(task_list) + len(rejected)) * rollouts)
 
         def on_result(r: RolloutResult) -> None:
             counts[r.outcome] += 1
@@ -82,7 +84,7 @@ def run(
             report = asyncio.run(run_batch(
                 task_list, policies, backend, rollouts_per_task=rollouts, concurrency=concurrency,
                 strategy=strategy, limits=PoolLimits(), retries=retries, results_path=results_path,
-                resume=resume, rejected=rejected, on_result=on_result))
+                resume=resume, rejected=rejected, rows=rows, on_result=on_result))
         except KeyboardInterrupt:
             console.print(f"[yellow]interrupted[/]: finished rollouts are kept in {results_path}; "
                           "rerun with --resume to continue")

@@ -23,7 +23,8 @@ async def test_oracle_resolves_and_noop_does_not(test_images_root, calc_task, tm
     for r in report.rollouts:
         by[r.policy].append(r.reward)
     assert by == {"oracle": [1.0, 1.0], "noop": [0.0, 0.0]}
-    assert report.failures == {"completed": 4, "infra_failed": 0, "task_failed": 0}
+    assert report.failures == {"completed": 4, "infra_failed": 0, "task_failed": 0, "rejected": 0}
+    assert report.unaccounted == 0
     assert report.ttfc.n == 4 and report.sandboxes_created <= 2 and report.resets >= 2
     assert len(results.read_text().splitlines()) == 4
     text = report.render_text()
@@ -44,7 +45,8 @@ async def test_unknown_image_task_is_rejected_and_reported(test_images_root, cal
     ghost = calc_task.model_copy(update={"instance_id": "ghost-1", "image": "sandpool.local/ghost:0"})
     report = await run_batch([calc_task, ghost], [OraclePolicy()], LocalBackend(test_images_root),
                              rollouts_per_task=1, concurrency=1)
-    assert [r.task_id for r in report.rollouts] == [calc_task.instance_id]
+    assert {(r.task_id, r.outcome) for r in report.rollouts} == {
+        (calc_task.instance_id, Outcome.COMPLETED), ("ghost-1", Outcome.REJECTED)}
     assert report.rejected[0].task_id == "ghost-1" and "build-pack" in report.rejected[0].reason
 
 
@@ -115,3 +117,46 @@ async def test_unreachable_chat_endpoint_is_task_failed(test_images_root, calc_t
                              rollouts_per_task=1, concurrency=1)
     await policy.aclose()
     assert report.rollouts[0].outcome is Outcome.TASK_FAILED
+
+
+def _write_rows(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+async def test_a_base_commit_not_in_the_image_rejects_that_task_only(test_images_root, calc_task, tmp_path):
+    good = calc_task.model_dump(mode="json")
+    bad_sha = {**good, "instance_id": "calc-bad-sha", "base_commit": "ab" * 20}
+    ghost = {**good, "instance_id": "calc-ghost", "image": "sandpool.local/ghost:0"}
+    path = _write_rows(tmp_path / "tasks.jsonl", [good, bad_sha, "{torn", ghost])
+    rejected, rows = [], {}
+    tasks = load_tasks(path, rejected=rejected, rows=rows)
+    seen = []
+    report = await run_batch(tasks, [OraclePolicy()], LocalBackend(test_images_root), rollouts_per_task=2,
+                             concurrency=2, rejected=rejected, rows=rows, on_result=seen.append)
+    # 4 rows x 2 rollouts requested; only the good row ran, the batch went on past the others.
+    assert report.workload.tasks == 4 and report.workload.rollouts == 8
+    assert report.failures == {"completed": 2, "infra_failed": 0, "task_failed": 0, "rejected": 6}
+    assert report.unaccounted == 0 and len(seen) == 8  # the progress bar ends at 8/8
+    by_row = {r.row: r.reason for r in report.rejected}
+    assert set(by_row) == {2, 3, 4}
+    assert "is not a commit of image" in by_row[2] and "not valid JSON" in by_row[3]
+    assert "build-pack" in by_row[4]
+    assert {r.task_id for r in report.rejected} == {"calc-bad-sha", None, "calc-ghost"}
+    assert all(r.reward is None for r in report.rollouts if r.outcome is Outcome.REJECTED)
+    assert "rejected 6 = 8 of 8 requested" in report.render_text()
+    assert "row 4: calc-ghost" in report.render_text()
+
+
+async def test_a_torn_journal_line_is_dropped_and_named_on_resume(test_images_root, calc_task, tmp_path):
+    results = tmp_path / "rollouts.jsonl"
+    await run_batch([calc_task], [OraclePolicy()], LocalBackend(test_images_root), rollouts_per_task=2,
+                    concurrency=1, results_path=results)
+    lines = results.read_text().splitlines()
+    results.write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])  # killed mid-write
+    report = await run_batch([calc_task], [OraclePolicy()], LocalBackend(test_images_root),
+                             rollouts_per_task=2, concurrency=1, results_path=results, resume=True)
+    assert sorted(r.rollout for r in report.rollouts) == [0, 1] and report.unaccounted == 0
+    assert report.ttfc.n == 1 and len(report.warnings) == 1 and "line 2 dropped" in report.warnings[0]
+    assert [json.loads(x)["rollout"] for x in results.read_text().splitlines()] == [0, 1]
+    assert (tmp_path / "rollouts.jsonl.torn").read_text() == lines[1][: len(lines[1]) // 2] + "\n"

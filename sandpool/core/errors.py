@@ -16,18 +16,24 @@ SandpoolError
 │                               (test_patch does not apply to base, no test command, a test
 │                               file absent at base): the task is `rejected`, never scored
 ├── TaskError                   the policy's own failure: the rollout ends `task_failed`
-│   └── TamperingSuspected      grading's verdict sources disagree (structured report, log,
-│                               exit status, counts): scored not resolved, evidence kept
+│   ├── TamperingSuspected      grading's verdict sources disagree (structured report, log,
+│   │                           exit status, counts): scored not resolved, evidence kept
+│   ├── SandboxFileError        a file operation failed on the policy's path (errno: EACCES, EROFS, ...)
+│   └── SandboxExhausted        the policy's processes killed or starved the sandbox (fork bomb, kill)
 └── FatalError                  give up: the environment cannot run sandboxes at all
     ├── BackendUnavailable      bubblewrap missing, CRDs missing, RBAC denied, ...
     └── PoolClosed              use of a pool (or lease) after close
 ```
 
 Lower-layer errors (bubblewrap, OS, Kubernetes client, httpx) are translated into this tree
-at one boundary per backend, so callers only ever catch these classes.
+at one boundary per backend, so callers only ever catch these classes. Which outcome an error
+means (scored, retried, rejected) is decided in one place: :func:`sandpool.core.classify.classify`.
 """
 
 from __future__ import annotations
+
+import errno as _errno
+import os as _os
 
 __all__ = [
     "ApiError",
@@ -42,11 +48,14 @@ __all__ = [
     "InputError",
     "PoolClosed",
     "SandboxDied",
+    "SandboxExhausted",
+    "SandboxFileError",
     "SandboxStartError",
     "SandpoolError",
     "TamperingSuspected",
     "TaskError",
     "TaskValidationError",
+    "sandbox_file_error",
 ]
 
 
@@ -179,6 +188,72 @@ class TamperingSuspected(TaskError):
     def __init__(self, message: str, *, evidence: tuple[str, ...] = ()) -> None:
         super().__init__(message if not evidence else f"{message}: " + "; ".join(evidence))
         self.evidence = evidence
+
+
+class SandboxFileError(TaskError, OSError):
+    """A file operation in the sandbox failed because of the policy's path or the state the
+    policy left (permission denied, read-only file system, a directory, no such file, disk
+    full within its quota). A result for the policy to see, never an infra failure.
+
+    It is an :class:`OSError` with ``errno``, ``strerror`` and ``filename`` set, and the
+    errno's builtin subclass where there is one (``FileNotFoundError``, ``PermissionError``,
+    ``IsADirectoryError``, ...), so ``except FileNotFoundError`` keeps working. Build it with
+    :func:`sandbox_file_error`.
+    """
+
+    kind = "file_error"
+
+    def __str__(self) -> str:
+        return f"{self.filename}: {self.strerror} ({_errno.errorcode.get(self.errno or 0, self.errno)})"
+
+
+class _FileNotFound(SandboxFileError, FileNotFoundError):
+    pass
+
+
+class _Permission(SandboxFileError, PermissionError):
+    pass
+
+
+class _IsADirectory(SandboxFileError, IsADirectoryError):
+    pass
+
+
+class _NotADirectory(SandboxFileError, NotADirectoryError):
+    pass
+
+
+class _FileExists(SandboxFileError, FileExistsError):
+    pass
+
+
+_BY_ERRNO: dict[int, type[SandboxFileError]] = {
+    _errno.ENOENT: _FileNotFound, _errno.EACCES: _Permission, _errno.EPERM: _Permission,
+    _errno.EISDIR: _IsADirectory, _errno.ENOTDIR: _NotADirectory, _errno.EEXIST: _FileExists,
+}
+
+
+def sandbox_file_error(code: int, path: str, detail: str | None = None) -> SandboxFileError:
+    """Return the :class:`SandboxFileError` for errno ``code`` on ``path`` inside a sandbox.
+
+    Args:
+        code: The errno (``errno.EACCES``, ``errno.EROFS``, ...).
+        path: The path as the policy gave it.
+        detail: Extra text (the sandbox id); the strerror of ``code`` is always included.
+
+    Returns:
+        An instance of the errno's subclass (``FileNotFoundError`` for ``ENOENT``, ...).
+    """
+    text = _os.strerror(code) + (f" ({detail})" if detail else "")
+    return _BY_ERRNO.get(code, SandboxFileError)(code, text, path)
+
+
+class SandboxExhausted(TaskError):
+    """The policy's own processes killed the sandbox's agent or starved it of processes or
+    memory (a fork bomb, a memory bomb, ``kill -9`` of everything): the policy's failure,
+    scored. The sandbox is deleted, not reused."""
+
+    kind = "sandbox_exhausted"
 
 
 class FatalError(SandpoolError):

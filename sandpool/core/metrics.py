@@ -6,7 +6,7 @@ import enum
 import statistics
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, computed_field
 
 __all__ = [
     "Outcome",
@@ -21,11 +21,17 @@ __all__ = [
 
 
 class Outcome(str, enum.Enum):
-    """How a rollout ended; every rollout ends as exactly one of these."""
+    """How a rollout ended; every rollout ends as exactly one of these.
+
+    After every run, requested rollouts = completed + infra_failed + task_failed + rejected
+    (see :attr:`Report.unaccounted`). Which one an error gives is decided by
+    :func:`sandpool.core.classify.classify`.
+    """
 
     COMPLETED = "completed"  #: ran to the end and was graded
     INFRA_FAILED = "infra_failed"  #: infrastructure failed after all retries; never a reward
     TASK_FAILED = "task_failed"  #: the policy's own error or its command's timeout
+    REJECTED = "rejected"  #: the task could not run at all (bad row, base commit, image); never a reward
 
 
 class RolloutResult(BaseModel):
@@ -35,7 +41,8 @@ class RolloutResult(BaseModel):
         task_id: The task's ``instance_id``.
         rollout: Index of this rollout among the task's rollouts (0-based).
         outcome: See :class:`Outcome`.
-        reward: 1.0/0.0 for ``completed`` and ``task_failed``; ``None`` for ``infra_failed``.
+        reward: 1.0/0.0 for ``completed`` and ``task_failed``; ``None`` for ``infra_failed``
+            and ``rejected``.
         attempts: Claims made (1 + infra retries).
         ttfc_s: Time to first command of the attempt that finished, in seconds.
         duration_s: Wall time of the whole rollout including retries, in seconds.
@@ -43,6 +50,7 @@ class RolloutResult(BaseModel):
         error: Its message.
         policy: Name of the policy that acted.
         sandbox_id: The sandbox of the last attempt.
+        row: 1-based row of the task in its tasks file, when known (kept for rejected rows).
     """
 
     task_id: str
@@ -56,6 +64,7 @@ class RolloutResult(BaseModel):
     error: str | None = None
     policy: str | None = None
     sandbox_id: str | None = None
+    row: int | None = None
 
 
 class TTFCStats(BaseModel):
@@ -137,7 +146,8 @@ class Workload(BaseModel):
 
 
 class RewardSummary(BaseModel):
-    """Reward over scored rollouts (``completed`` and ``task_failed``; never ``infra_failed``)."""
+    """Reward over scored rollouts (``completed`` and ``task_failed``; never ``infra_failed``
+    or ``rejected``)."""
 
     scored: int = 0
     mean: float | None = None
@@ -147,7 +157,8 @@ class RewardSummary(BaseModel):
     @classmethod
     def from_results(cls, results: list[RolloutResult]) -> RewardSummary:
         """Summarise the rewards of ``results``; infra failures are excluded by construction."""
-        scored = [r for r in results if r.outcome is not Outcome.INFRA_FAILED and r.reward is not None]
+        scored = [r for r in results if r.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED)
+                  and r.reward is not None]
         by: dict[str, list[float]] = {}
         for r in scored:
             by.setdefault(r.policy or "-", []).append(r.reward or 0.0)
@@ -161,7 +172,13 @@ class RewardSummary(BaseModel):
 
 
 class RejectedTask(BaseModel):
-    """A task that was not run because its input was wrong (kept and reported, not dropped)."""
+    """A task that was not run because its input was wrong (kept and reported, not dropped).
+
+    Attributes:
+        task_id: The row's ``instance_id`` when it has one.
+        row: 1-based row number in the tasks file, when known.
+        reason: What is wrong and the fix.
+    """
 
     task_id: str | None
     row: int | None = None
@@ -169,7 +186,12 @@ class RejectedTask(BaseModel):
 
 
 class Report(BaseModel):
-    """The report every run and benchmark writes, as text and as JSON with the same fields."""
+    """The report every run and benchmark writes, as text and as JSON with the same fields.
+
+    ``failures`` counts every outcome, ``rejected`` included; ``workload.rollouts`` is what the
+    run was asked for, so ``unaccounted`` (requested minus the sum of ``failures``) is 0 after
+    a run that lost nothing.
+    """
 
     workload: Workload
     ttfc: TTFCStats
@@ -184,6 +206,14 @@ class Report(BaseModel):
     pool: PoolCounters
     rejected: list[RejectedTask] = Field(default_factory=list)
     rollouts: list[RolloutResult] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def unaccounted(self) -> int:
+        """Requested rollouts (``workload.rollouts``) minus those accounted for in ``failures``:
+        0 when nothing was lost or doubled, negative when something was counted twice."""
+        return self.workload.rollouts - sum(self.failures.values())
 
     def render_text(self) -> str:
         """Render the report as aligned plain text (the same fields as the JSON)."""
@@ -205,7 +235,9 @@ class Report(BaseModel):
             f"  resets       {self.resets} ok, {self.quarantines} quarantined"
             + (f" (mean {ms(self.pool.reset_total_s / n_resets)}, max {ms(self.pool.reset_max_s)})"
                if (n_resets := self.resets + self.quarantines) else ""),
-            "  outcomes     " + ", ".join(f"{k} {v}" for k, v in self.failures.items()),
+            "  outcomes     " + ", ".join(f"{k} {v}" for k, v in self.failures.items())
+            + f" = {sum(self.failures.values())} of {w.rollouts} requested"
+            + (f" (UNACCOUNTED {self.unaccounted})" if self.unaccounted else ""),
             "  infra errors " + (", ".join(f"{k} {v}" for k, v in sorted(self.infra_errors_by_kind.items())) or "none"),
             f"  reward       mean {'-' if self.reward.mean is None else f'{self.reward.mean:.3f}'} over "
             f"{self.reward.scored} scored, {self.reward.resolved} resolved",
@@ -214,7 +246,9 @@ class Report(BaseModel):
             lines.append(f"    {pol:<10} n={int(s['n'])} mean {s['mean']:.3f} resolved {int(s['resolved'])}")
         if self.rejected:
             lines.append(f"  rejected     {len(self.rejected)} tasks (input errors):")
-            lines += [f"    row {r.row}: {r.task_id}: {r.reason}" for r in self.rejected[:10]]
+            lines += [f"    {'row ' + str(r.row) + ': ' if r.row is not None else ''}{r.task_id or '-'}: "
+                      f"{r.reason}" for r in self.rejected[:10]]
+        lines += [f"  warning      {w}" for w in self.warnings]
         lines.append(f"  wall time    {self.wall_time_s:.1f} s")
         return "\n".join(lines)
 

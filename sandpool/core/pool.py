@@ -21,6 +21,7 @@ from aiolimiter import AsyncLimiter
 
 from sandpool.core import errors
 from sandpool.core.base import Backend, ExecResult, Sandbox, SandboxState
+from sandpool.core.classify import Verdict, classify
 from sandpool.core.metrics import (
     Outcome,
     PoolCounters,
@@ -341,14 +342,16 @@ class SandboxPool:
     async def claim(self, task: Task, *, timeout: float | None = None) -> AsyncIterator[Lease]:
         """Claim a sandbox for one rollout of ``task``; release it on exit.
 
-        An infra error inside the block marks the sandbox broken, so it is deleted rather than
-        reused. Yields a :class:`Lease`. Raises as :meth:`acquire`.
+        An error inside the block that :func:`~sandpool.core.classify.classify` calls infra
+        marks the sandbox broken, so it is deleted rather than reused. Yields a
+        :class:`Lease`. Raises as :meth:`acquire`.
         """
         lease = await self.acquire(task, timeout=timeout)
         try:
             yield lease
-        except errors.InfraError:
-            await self.release(lease, reusable=False)
+        except Exception as exc:
+            # An infra error, or one nobody can explain, leaves the sandbox suspect: delete it.
+            await self.release(lease, reusable=classify(exc) is not Verdict.INFRA)
             raise
         except BaseException:
             await self.release(lease)

@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 
 from sandpool.core.base import Sandbox
-from sandpool.core.errors import InputError
+from sandpool.core.errors import InfraError, InfraTimeout, InputError
 
 __all__ = ["ResetOutcome", "checkout", "reset_in_place", "verify"]
 
@@ -68,19 +68,30 @@ async def checkout(sandbox: Sandbox, commit: str, *, timeout: float = 60.0) -> N
 
     Raises:
         InputError: The commit does not exist in the image's repo (the task's
-            ``base_commit`` does not belong to its ``image``).
-        InfraError: The sandbox could not be reached.
+            ``base_commit`` does not belong to its ``image``): the task is rejected.
+        InfraTimeout: The checkout ran out of time (infra, retried).
+        InfraError: The sandbox could not be reached, or the commit exists and the
+            checkout still failed.
     """
     c = shlex.quote(commit)
     res = await sandbox.exec(
         f"{_GIT} checkout -q -f --detach {c} && test \"$({_GIT} rev-parse HEAD)\" = {c}",
         timeout=timeout,
     )
-    if not res.ok:
-        raise InputError(
-            f"base_commit {commit} cannot be checked out in image {sandbox.image!r}: "
-            f"{res.err_text.strip()[:300]}; fix the task's base_commit or image"
-        )
+    if res.ok:
+        return
+    if res.timed_out:  # a slow sandbox, not a bad task
+        raise InfraTimeout(f"checking out {commit} in sandbox {sandbox.id} took over {timeout:.0f} s")
+    probe = await sandbox.exec(f"{_GIT} cat-file -e {c}^{{commit}}", timeout=timeout)
+    if probe.timed_out:
+        raise InfraTimeout(f"looking up {commit} in sandbox {sandbox.id} took over {timeout:.0f} s")
+    if probe.ok:  # the commit is there and still would not check out: the sandbox is at fault
+        raise InfraError(f"checkout of {commit} failed in sandbox {sandbox.id} "
+                         f"(exit {res.exit_code}): {res.err_text.strip()[:300]}")
+    raise InputError(
+        f"base_commit {commit} is not a commit of image {sandbox.image!r}; "
+        "fix the task's base_commit or image"
+    )
 
 
 async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0) -> ResetOutcome:

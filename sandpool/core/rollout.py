@@ -1,4 +1,7 @@
-"""Failure accounting for one rollout: every rollout ends completed, infra_failed or task_failed."""
+"""Failure accounting for one rollout: it ends completed, infra_failed, task_failed or rejected.
+
+Which of these an error gives is decided by :func:`sandpool.core.classify.classify`, never here.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from sandpool.core import errors
+from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
 from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
@@ -29,8 +33,14 @@ async def run_rollout(
     """Run ``episode`` on a sandbox claimed for ``task``, retrying infra failures.
 
     Each attempt claims a fresh sandbox; a sandbox that raised an infra error is deleted, not
-    reused. After ``retries`` retries the rollout ends ``infra_failed`` with ``reward=None``:
-    an infra failure is never scored as 0, and is always counted.
+    reused. Every error is placed by :func:`~sandpool.core.classify.classify`:
+
+    * the policy's (``TaskError``, a file errno on its path, a fork bomb): ``task_failed``,
+      reward 0, not retried;
+    * infra's (and any error sandpool does not know): retried on a fresh sandbox; after
+      ``retries`` retries ``infra_failed`` with ``reward=None``, never scored as 0;
+    * the input's (an unknown image, a base commit not in the image, a broken task):
+      ``rejected`` with the reason and ``reward=None``; the caller goes on with other tasks.
 
     Args:
         pool: An open pool.
@@ -44,14 +54,13 @@ async def run_rollout(
         The :class:`RolloutResult`.
 
     Raises:
-        InputError: The task cannot run as given (unknown image, bad base_commit).
-        FatalError: The backend is unusable; no point continuing the batch.
+        FatalError: The backend is unusable or the pool closed; no point continuing the batch.
     """
     t0 = time.monotonic()
-    last: errors.InfraError | None = None
+    last: Exception | None = None
     sandbox_id = None
     for attempt in range(1, retries + 2):
-        lease = None
+        lease: Lease | None = None
         try:
             async with pool.claim(task) as lease:
                 sandbox_id = lease.id
@@ -59,14 +68,24 @@ async def run_rollout(
             return RolloutResult(task_id=task.instance_id, rollout=rollout, outcome=Outcome.COMPLETED,
                                  reward=float(reward), attempts=attempt, ttfc_s=lease.ttfc_s,
                                  duration_s=time.monotonic() - t0, policy=policy, sandbox_id=sandbox_id)
-        except errors.TaskError as exc:
-            return RolloutResult(task_id=task.instance_id, rollout=rollout, outcome=Outcome.TASK_FAILED,
-                                 reward=0.0, attempts=attempt, ttfc_s=lease.ttfc_s if lease else None,
-                                 duration_s=time.monotonic() - t0, error_kind=exc.kind, error=str(exc),
-                                 policy=policy, sandbox_id=sandbox_id)
-        except errors.InfraError as exc:  # already counted by the pool where it happened
-            last = exc
+        except Exception as exc:  # noqa: BLE001 - every error is placed by the one classifier
+            verdict = classify(exc)
+            if verdict is Verdict.FATAL:
+                raise
+            if verdict is Verdict.INFRA:
+                if not isinstance(exc, errors.InfraError):  # the pool counts its own kinds
+                    pool.counters.infra_error(error_kind(exc))
+                last = exc
+                continue
+            outcome = verdict.outcome
+            assert outcome is not None
+            return RolloutResult(task_id=task.instance_id, rollout=rollout, outcome=outcome,
+                                 reward=0.0 if verdict.scored else None, attempts=attempt,
+                                 ttfc_s=lease.ttfc_s if lease else None,
+                                 duration_s=time.monotonic() - t0, error_kind=error_kind(exc),
+                                 error=str(exc), policy=policy, sandbox_id=sandbox_id)
     assert last is not None
     return RolloutResult(task_id=task.instance_id, rollout=rollout, outcome=Outcome.INFRA_FAILED,
                          reward=None, attempts=retries + 1, duration_s=time.monotonic() - t0,
-                         error_kind=last.kind, error=str(last), policy=policy, sandbox_id=sandbox_id)
+                         error_kind=error_kind(last), error=str(last), policy=policy,
+                         sandbox_id=sandbox_id)

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from sandpool.core.base import Backend
-from sandpool.core.metrics import RejectedTask, Report, RolloutResult, Workload
+from sandpool.core.classify import Verdict, classify, error_kind
+from sandpool.core.metrics import Outcome, RejectedTask, Report, RolloutResult, Workload
 from sandpool.core.pool import Lease, PoolLimits, SandboxPool
 from sandpool.core.rollout import run_rollout
 from sandpool.core.strategies import Strategy, get_strategy
@@ -23,7 +26,7 @@ from sandpool.core.task import Task
 from sandpool.envs.grading import grade
 from sandpool.envs.policies import Policy
 
-__all__ = ["run_batch"]
+__all__ = ["read_journal", "run_batch"]
 
 
 async def run_batch(
@@ -40,15 +43,20 @@ async def run_batch(
     results_path: Path | None = None,
     resume: bool = False,
     rejected: list[RejectedTask] | None = None,
+    rows: Mapping[str, int] | None = None,
     on_result: Callable[[RolloutResult], None] | None = None,
 ) -> Report:
     """Run every task ``rollouts_per_task`` times and return the report.
 
-    Rollout ``i`` of a task uses ``policies[i % len(policies)]``. Tasks whose image is missing
-    are rejected (kept in the report), not run.
+    Rollout ``i`` of a task uses ``policies[i % len(policies)]``. Every requested rollout ends
+    as exactly one result (``completed``, ``infra_failed``, ``task_failed`` or ``rejected``),
+    as :func:`~sandpool.core.classify.classify` places its error: a task whose row was bad,
+    whose image is missing or whose base commit is not in its image is rejected with its
+    reason, each of its rollouts counted as ``rejected``, and the batch goes on. So after the
+    run ``report.unaccounted == 0``.
 
     Args:
-        tasks: The tasks.
+        tasks: The valid tasks.
         policies: At least one policy.
         backend: Where sandboxes run; the pool closes it at the end.
         rollouts_per_task: k, rollouts per task.
@@ -57,78 +65,175 @@ async def run_batch(
         limits: Pool limits.
         retries: Infra retries per rollout.
         grade_timeout: Seconds for the grading test run.
-        results_path: JSONL file each result is appended to as it completes.
-        resume: Skip rollouts already in ``results_path`` and include them in the report.
-        rejected: Tasks rejected before the run (bad rows), carried into the report.
-        on_result: Called with every result as it completes (progress bars).
+        results_path: JSONL journal each result is appended to as it completes.
+        resume: Keep the results already in ``results_path`` and run only the missing
+            rollouts. A torn or malformed line (a run killed mid-write) is dropped, kept in
+            ``<results_path>.torn`` and named in ``report.warnings``.
+        rejected: Rows rejected before the run (bad rows): each counts as ``rollouts_per_task``
+            rejected rollouts, and as a task of the workload.
+        rows: 1-based row number of each task id in its tasks file, for the report.
+        on_result: Called with every result as it lands, resumed ones included (progress bars).
 
     Returns:
         The :class:`Report` (``rollouts`` holds every result, in completion order).
 
     Raises:
-        BackendUnavailable: The backend cannot run here.
+        FatalError: The backend cannot run here (``BackendUnavailable``) or the pool closed.
         ValueError: No policy given.
     """
     if not policies:
         raise ValueError("run_batch needs at least one policy")
     strat = get_strategy(strategy)
+    rows = dict(rows or {})
     rejected = list(rejected or [])
+    k = rollouts_per_task
     results: list[RolloutResult] = []
+    warnings: list[str] = []
     done: set[tuple[str, int]] = set()
     if resume and results_path is not None and results_path.exists():
-        for line in results_path.read_text().splitlines():
-            if line.strip():
-                r = RolloutResult.model_validate_json(line)
-                results.append(r)
-                done.add((r.task_id, r.rollout))
+        for r in read_journal(results_path, warnings):
+            results.append(r)
+            done.add((r.task_id, r.rollout))
+    sink = results_path.open("a") if results_path is not None else None
+
+    def land(result: RolloutResult) -> None:
+        results.append(result)
+        done.add((result.task_id, result.rollout))
+        if sink is not None:
+            sink.write(result.model_dump_json() + "\n")
+            sink.flush()
+        if on_result is not None:
+            on_result(result)
+
+    def reject_all(task_id: str, row: int | None, reason: str, error_kind: str) -> None:
+        for i in range(k):
+            if (task_id, i) not in done:
+                land(RolloutResult(task_id=task_id, rollout=i, outcome=Outcome.REJECTED,
+                                   error_kind=error_kind, error=reason, row=row))
+
+    if on_result is not None:
+        for r in results:
+            on_result(r)
     t0 = time.monotonic()
-    async with SandboxPool(backend, strat, limits) as pool:
-        runnable: list[Task] = []
-        for task in tasks:
-            try:
-                await pool.hydrate(task.image)
-                runnable.append(task)
-            except Exception as exc:  # noqa: BLE001 - an input error of one task is kept, not fatal
-                rejected.append(RejectedTask(task_id=task.instance_id, reason=str(exc)))
-        lanes: dict[str, deque[tuple[Task, int]]] = {}
-        for task in runnable:
-            for i in range(rollouts_per_task):
-                if (task.instance_id, i) not in done:
-                    lanes.setdefault(task.image, deque()).append((task, i))
-        todo = [t for t in runnable
-                if any((t.instance_id, i) not in done for i in range(rollouts_per_task))]
-        slots = await pool.prepare(todo, concurrency, rollouts_per_task=rollouts_per_task)
-        gate = asyncio.Semaphore(concurrency)
-        sink = results_path.open("a") if results_path is not None else None
+    try:
+        valid = {t.instance_id for t in tasks}
+        for rt in rejected:  # a bad row's id may repeat a valid row's: never mix their rollouts
+            tid = rt.task_id if rt.task_id and rt.task_id not in valid else f"<row {rt.row}>"
+            valid.add(tid)
+            reject_all(tid, rt.row, rt.reason, "task_validation")
+        pre_rejected = len(rejected)
+        async with SandboxPool(backend, strat, limits) as pool:
+            runnable: list[Task] = []
+            for task in tasks:
+                try:
+                    await pool.hydrate(task.image)
+                    runnable.append(task)
+                except Exception as exc:  # noqa: BLE001 - placed by the classifier
+                    verdict = classify(exc)
+                    if verdict is Verdict.FATAL:
+                        raise
+                    if verdict is Verdict.INPUT:
+                        rejected.append(RejectedTask(task_id=task.instance_id, row=rows.get(task.instance_id),
+                                                     reason=str(exc)))
+                        reject_all(task.instance_id, rows.get(task.instance_id), str(exc), error_kind(exc))
+                        continue
+                    for i in range(k):  # hydration failed on infra: every rollout is infra_failed
+                        if (task.instance_id, i) not in done:
+                            land(RolloutResult(task_id=task.instance_id, rollout=i,
+                                               outcome=Outcome.INFRA_FAILED, error_kind=error_kind(exc),
+                                               error=str(exc), row=rows.get(task.instance_id)))
+            lanes: dict[str, deque[tuple[Task, int]]] = {}
+            for task in runnable:
+                for i in range(k):
+                    if (task.instance_id, i) not in done:
+                        lanes.setdefault(task.image, deque()).append((task, i))
+            todo = [t for t in runnable if any((t.instance_id, i) not in done for i in range(k))]
+            slots = await pool.prepare(todo, concurrency, rollouts_per_task=k)
+            gate = asyncio.Semaphore(concurrency)
+            bad: dict[str, RolloutResult] = {}  # task id -> the rollout that found it unusable
 
-        def episode_for(task: Task, policy: Policy):
-            async def episode(lease: Lease) -> float:
-                await policy.act(lease, task)
-                return (await grade(lease, task, timeout=grade_timeout)).reward
-            return episode
+            def episode_for(task: Task, policy: Policy):
+                async def episode(lease: Lease) -> float:
+                    await policy.act(lease, task)
+                    return (await grade(lease, task, timeout=grade_timeout)).reward
+                return episode
 
-        async def lane(queue: deque[tuple[Task, int]]) -> None:
-            async with gate:
-                while queue:
-                    task, i = queue.popleft()
-                    policy = policies[i % len(policies)]
-                    result = await run_rollout(pool, task, episode_for(task, policy), rollout=i,
-                                               retries=retries, policy=policy.name)
-                    results.append(result)
-                    if sink is not None:
-                        sink.write(result.model_dump_json() + "\n")
-                        sink.flush()
-                    if on_result is not None:
-                        on_result(result)
+            async def lane(queue: deque[tuple[Task, int]]) -> None:
+                async with gate:
+                    while queue:
+                        task, i = queue.popleft()
+                        row = rows.get(task.instance_id)
+                        if (first := bad.get(task.instance_id)) is not None:  # rejected already
+                            land(first.model_copy(update={"rollout": i, "policy": None, "attempts": 0,
+                                                          "sandbox_id": None, "duration_s": 0.0}))
+                            continue
+                        policy = policies[i % len(policies)]
+                        result = await run_rollout(pool, task, episode_for(task, policy), rollout=i,
+                                                   retries=retries, policy=policy.name)
+                        result = result.model_copy(update={"row": row})
+                        if result.outcome is Outcome.REJECTED and task.instance_id not in bad:
+                            bad[task.instance_id] = result
+                            rejected.append(RejectedTask(task_id=task.instance_id, row=row,
+                                                         reason=result.error or "rejected"))
+                        land(result)
 
-        try:
             await asyncio.gather(*(lane(q) for image, q in lanes.items()
                                    for _ in range(slots.get(image, 1))))
-        finally:
-            if sink is not None:
-                sink.close()
-        workload = Workload(tasks=len(tasks), images=len({t.image for t in tasks}),
-                            rollouts=len(tasks) * rollouts_per_task, concurrency=concurrency,
-                            backend=backend.name, strategy=strat.name,
-                            policies=sorted({p.name for p in policies}))
-        return pool.report(workload, results, time.monotonic() - t0, rejected)
+            n_tasks = len(tasks) + pre_rejected
+            workload = Workload(tasks=n_tasks, images=len({t.image for t in tasks}),
+                                rollouts=n_tasks * k, concurrency=concurrency,
+                                backend=backend.name, strategy=strat.name,
+                                policies=sorted({p.name for p in policies}))
+            report = pool.report(workload, results, time.monotonic() - t0, rejected)
+    finally:
+        if sink is not None:
+            sink.close()
+    return report.model_copy(update={"warnings": warnings})
+
+
+def read_journal(path: Path, warnings: list[str] | None = None) -> list[RolloutResult]:
+    """Read a results journal (``rollouts.jsonl``), keeping every good line.
+
+    A line that does not parse (the torn last line of a run killed mid-write, or a corrupted
+    one) is dropped and named in ``warnings``; the file is rewritten without it (atomically)
+    and the bad text kept in ``<path>.torn``, so later appends start on a clean line. A
+    rollout journaled twice is kept once.
+
+    Args:
+        path: The journal.
+        warnings: Receives one sentence per dropped line.
+
+    Returns:
+        The results, in journal order.
+    """
+    good: list[RolloutResult] = []
+    keep: list[str] = []
+    torn: list[str] = []
+    seen: set[tuple[str, int]] = set()
+    raw = path.read_bytes()
+    for n, line in enumerate(raw.decode("utf-8", "replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            r = RolloutResult.model_validate_json(line)
+        except ValidationError as exc:
+            torn.append(line)
+            if warnings is not None:
+                warnings.append(f"{path.name} line {n} dropped (torn or malformed: "
+                                f"{exc.errors()[0]['msg']}): {line[:80]!r}")
+            continue
+        if (r.task_id, r.rollout) in seen:
+            if warnings is not None:
+                warnings.append(f"{path.name} line {n}: rollout {r.rollout} of {r.task_id} journaled twice; kept once")
+            continue
+        seen.add((r.task_id, r.rollout))
+        good.append(r)
+        keep.append(line)
+    if torn or not raw.endswith(b"\n") and raw:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        tmp.replace(path)
+        if torn:
+            with path.with_name(path.name + ".torn").open("a") as f:
+                f.writelines(x + "\n" for x in torn)
+    return good

@@ -63,13 +63,15 @@ def parse_task(row: object, *, line: int | None = None) -> Task:
         ) from None
 
 
-def load_tasks(path: str | Path, *, rejected: list[RejectedTask] | None = None) -> list[Task]:
+def load_tasks(path: str | Path, *, rejected: list[RejectedTask] | None = None,
+               rows: dict[str, int] | None = None) -> list[Task]:
     """Read a JSONL file of tasks.
 
     Args:
         path: The ``.jsonl`` file, one task per line (blank lines ignored).
         rejected: If given, bad rows are appended to it as :class:`RejectedTask` (so a run
             keeps and reports them) instead of raising on the first one.
+        rows: If given, receives the 1-based row number of every valid task's ``instance_id``.
 
     Returns:
         The valid tasks, in file order.
@@ -83,6 +85,7 @@ def load_tasks(path: str | Path, *, rejected: list[RejectedTask] | None = None) 
     for i, text in enumerate(Path(path).read_text().splitlines(), start=1):
         if not text.strip():
             continue
+        row: object = None
         try:
             try:
                 row = json.loads(text)
@@ -97,8 +100,12 @@ def load_tasks(path: str | Path, *, rejected: list[RejectedTask] | None = None) 
         except TaskValidationError as exc:
             if rejected is None:
                 raise
-            rejected.append(RejectedTask(task_id=None, row=i, reason=str(exc)))
+            tid = row.get("instance_id") if isinstance(row, dict) else None
+            rejected.append(RejectedTask(task_id=tid if isinstance(tid, str) and tid else None,
+                                         row=i, reason=str(exc)))
             continue
         seen[task.instance_id] = i
+        if rows is not None:
+            rows[task.instance_id] = i
         tasks.append(task)
     return tasks
