@@ -137,7 +137,9 @@ class Sandbox(abc.ABC):
         """Return the bytes of ``path`` (absolute, or relative to ``workdir``).
 
         Raises:
-            FileNotFoundError: No such file in the sandbox.
+            SandboxFileError: The path cannot be read (its ``errno``: ``ENOENT`` as a
+                ``FileNotFoundError``, ``EACCES`` as a ``PermissionError``, ``EISDIR``, ...).
+                The policy's result, never an infra failure.
             SandboxDied, ExecTransportError: As for :meth:`exec`.
         """
 
@@ -146,6 +148,8 @@ class Sandbox(abc.ABC):
         """Write ``data`` to ``path`` (absolute, or relative to ``workdir``), making parents.
 
         Raises:
+            SandboxFileError: The path cannot be written (``EROFS``, ``EACCES``, ``EISDIR``,
+                ``ENOTDIR``, ``ENOSPC`` within the sandbox's quota, ...): the policy's result.
             SandboxDied, ExecTransportError: As for :meth:`exec`.
         """
 

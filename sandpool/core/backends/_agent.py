@@ -9,8 +9,8 @@ Ops:
     exec        {cmd: str|list, timeout: s, cwd, env, max_output: bytes}
                 -> {exit_code, stdout(b64), stderr(b64), stdout_truncated, stderr_truncated,
                     timed_out, duration_s}
-    read_file   {path} -> {data(b64)} | {error: "not_found"|...}
-    write_file  {path, data(b64), mode} -> {}
+    read_file   {path} -> {data(b64)} | {error: "os_error", errno, strerror}
+    write_file  {path, data(b64), mode} -> {} | {error: "os_error", errno, strerror}
     ps          {} -> {procs: [cmdline, ...]} (everything but the agent and pid 1)
     kill_strays {} -> {killed: n}
 """
@@ -106,17 +106,55 @@ def _tagged(marker):
     return out
 
 
-def _kill_tree(proc, marker):
-    # The process group first (the documented contract), then descendants that called
-    # setsid() to escape it and were re-parented to init: they still carry the exec's marker.
+def _start_time(pid):
+    """Start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().decode("utf-8", "replace").rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_running = {}  # exec id -> (pid, marker) of every command still running
+_running_lock = threading.Lock()
+
+
+def _late_orphans(start, own):
+    """Processes of this sandbox (its pid namespace) started after ``start`` that belong to no
+    other running command: what a command left behind by double-forking out of its group and
+    clearing its environment (``env -i setsid``), so neither its group nor its marker finds it.
+    A process that a concurrent command's escapee started is caught too (its owner cannot be
+    told apart); processes older than the command are never touched."""
+    with _running_lock:
+        others = [v for k, v in _running.items() if k != own]
+    keep = set()
+    for pid, marker in others:
+        keep.add(pid)
+        keep.update(_descendants(pid))
+        keep.update(_tagged(marker))
+    out = []
+    for pid in _others():
+        t = _start_time(pid)
+        if t is not None and t >= start and pid not in keep:
+            out.append(pid)
+    return out
+
+
+def _kill_tree(proc, marker, start, own):
+    # The process group first (the documented contract); then descendants that called setsid()
+    # to leave it; then processes carrying the exec's marker; then anything in the sandbox
+    # started since the command began that no other command owns (an escapee with no marker).
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
-    for _ in range(3):
+    deadline = time.monotonic() + 2.0
+    while True:
         pids = set(_descendants(proc.pid)) | set(_tagged(marker))
-        pids.discard(_SELF)
-        if not pids:
+        if start is not None:
+            pids |= set(_late_orphans(start, own))
+        pids -= {_SELF, 1}
+        if not pids or time.monotonic() > deadline:
             return
         for pid in pids:
             try:
@@ -124,6 +162,16 @@ def _kill_tree(proc, marker):
             except OSError:
                 pass
         time.sleep(0.005)
+
+
+def _in_work_cgroup(argv):
+    # Each command joins the work cgroup (the policy's pid and memory budget) before it runs,
+    # so everything it forks is counted there and never against the agent's own budget.
+    d = os.environ.get("SANDPOOL_WORK_CGROUP")
+    if not d or not os.path.isdir(d):
+        return argv
+    join = 'for f in "$0"/*; do echo $$ > "$f" || exit 125; done; exec "$@"'
+    return ["/bin/sh", "-c", join, d, *argv]
 
 
 def _exec(req):
@@ -136,9 +184,10 @@ def _exec(req):
     marker = f"SANDPOOL_EXEC={_SELF}.{req.get('id')}"
     env["SANDPOOL_EXEC"] = marker.split("=", 1)[1]
     t0 = time.monotonic()
+    rid = req.get("id")
     try:
         proc = subprocess.Popen(
-            argv,
+            _in_work_cgroup(argv),
             cwd=req.get("cwd") or None,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -151,14 +200,20 @@ def _exec(req):
         return {"exit_code": 127, "stdout": "", "stderr": base64.b64encode(msg).decode(),
                 "stdout_truncated": False, "stderr_truncated": False, "timed_out": False,
                 "duration_s": time.monotonic() - t0}
+    start = _start_time(proc.pid)
+    with _running_lock:
+        _running[rid] = (proc.pid, marker)
     out, err = _Capture(proc.stdout, cap), _Capture(proc.stderr, cap)
     timed_out = False
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_tree(proc, marker)
+        _kill_tree(proc, marker, start, rid)
         proc.wait()
+    finally:
+        with _running_lock:
+            _running.pop(rid, None)
     # A background child the command left running (a server, `sleep &`) may hold the pipes
     # open: return what was captured instead of waiting for it. In-place reset kills it later.
     deadline = time.monotonic() + (1.0 if timed_out else 0.2)
@@ -182,22 +237,32 @@ def _exec(req):
     }
 
 
+def _os_error(exc):
+    # The policy's path or the state it left (EACCES, EROFS, EISDIR, ENOENT, ENOSPC, ...): a
+    # result the host hands to the policy, not a failure of the agent.
+    return {"error": "os_error", "errno": exc.errno or 0, "strerror": exc.strerror or str(exc)}
+
+
 def _read_file(req):
     try:
         with open(req["path"], "rb") as f:
             return {"data": base64.b64encode(f.read()).decode()}
-    except FileNotFoundError:
-        return {"error": "not_found"}
-    except IsADirectoryError:
-        return {"error": "is_a_directory"}
+    except OSError as exc:
+        return _os_error(exc)
 
 
 def _write_file(req):
     path = req["path"]
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "wb") as f:
-        f.write(base64.b64decode(req["data"]))
-    os.chmod(path, int(req.get("mode") or 0o644))
+    try:
+        parent = os.path.dirname(path) or "."
+        if os.path.lexists(parent) and not os.path.isdir(parent):  # makedirs would say EEXIST
+            raise NotADirectoryError(20, "Not a directory", parent)
+        os.makedirs(parent, exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(req["data"]))
+        os.chmod(path, int(req.get("mode") or 0o644))
+    except OSError as exc:
+        return _os_error(exc)
     return {}
 
 
@@ -230,7 +295,10 @@ def _ps(_req):
 
 def _kill_strays(_req):
     killed = 0
-    for _ in range(3):  # processes may fork while we kill; a few sweeps settle it
+    deadline = time.monotonic() + 5.0
+    # Processes may fork while we kill (a fork bomb refills every freed pid): sweep until
+    # none is left. Each sweep kills faster than a bomb at its pid limit can fork.
+    while time.monotonic() < deadline:
         pids = _others()
         if not pids:
             break
@@ -240,7 +308,7 @@ def _kill_strays(_req):
                 killed += 1
             except OSError:
                 pass
-        time.sleep(0.01)
+        time.sleep(0.002)
     return {"killed": killed}
 
 

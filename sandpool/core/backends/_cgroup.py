@@ -1,7 +1,11 @@
 """CPU, memory and pid limits for local sandboxes through cgroups (v1 or v2).
 
 A sandbox's process tree is placed in its own cgroup before bubblewrap starts, so every
-process it ever forks is counted and can be killed at once. When no cgroup hierarchy is
+process it ever forks is counted and can be killed at once. On cgroup v1 the commands it
+runs go one level down, into ``<sandbox>/work``, which holds the sandbox's pid and memory
+limits; the sandbox's own group allows a little more (:data:`AGENT_PIDS`,
+:data:`AGENT_MEMORY`), so a fork bomb or a memory bomb exhausts the policy's budget and never
+the agent's: the agent still answers, kills the bomb and resets the sandbox. When no cgroup hierarchy is
 writable (an unprivileged user, a locked-down container), :func:`detect` returns ``None`` and
 the backend refuses to start unless limits were explicitly waived.
 """
@@ -19,6 +23,10 @@ from sandpool.core.base import ResourceLimits
 _ROOT = Path("/sys/fs/cgroup")
 _V1_CONTROLLERS = ("pids", "memory", "cpu")
 _CFS_PERIOD_US = 100_000
+_WORK = "work"
+#: Pids and bytes the sandbox's agent (and bubblewrap's init) may use beyond the policy's limits.
+AGENT_PIDS = 64
+AGENT_MEMORY = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -57,23 +65,37 @@ class CgroupDriver:
         quota = max(1000, int(limits.cpus * _CFS_PERIOD_US))
         if self.version == 1:
             pids, mem, cpu = dirs
-            (pids / "pids.max").write_text(str(limits.pids))
-            (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+            (pids / "pids.max").write_text(str(limits.pids + AGENT_PIDS))
+            (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes + AGENT_MEMORY))
             (cpu / "cpu.cfs_period_us").write_text(str(_CFS_PERIOD_US))
             (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+            (pids / _WORK).mkdir(exist_ok=True)
+            (mem / _WORK).mkdir(exist_ok=True)
+            (pids / _WORK / "pids.max").write_text(str(limits.pids))
+            (mem / _WORK / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
         else:
             (dirs[0] / "pids.max").write_text(str(limits.pids))
             (dirs[0] / "memory.max").write_text(str(limits.memory_bytes))
             (dirs[0] / "cpu.max").write_text(f"{quota} {_CFS_PERIOD_US}")
         return [str(d / "cgroup.procs") for d in dirs]
 
-    def pids(self, name: str) -> list[int]:
-        """Return the pids currently in group ``name`` (empty if it is gone)."""
-        d = self._dirs(name)[0]
-        try:
-            return [int(x) for x in (d / "cgroup.procs").read_text().split()]
-        except OSError:
+    def work_procs(self, name: str) -> list[str]:
+        """Return the ``cgroup.procs`` files of group ``name``'s ``work`` child, which the
+        sandbox's commands join (v1; empty on v2, where commands stay in the sandbox's group)."""
+        if self.version != 1:
             return []
+        return [str(d / _WORK / "cgroup.procs") for d in self._dirs(name)[:2]]
+
+    def pids(self, name: str) -> list[int]:
+        """Return the pids currently in group ``name`` and its ``work`` child (empty if gone)."""
+        d = self._dirs(name)[0]
+        out: list[int] = []
+        for procs in (d / "cgroup.procs", d / _WORK / "cgroup.procs"):
+            try:
+                out += [int(x) for x in procs.read_text().split()]
+            except OSError:
+                pass
+        return out
 
     def kill(self, name: str) -> int:
         """SIGKILL every process in group ``name``; return how many were signalled."""
@@ -86,12 +108,13 @@ class CgroupDriver:
         return len(pids)
 
     def remove(self, name: str) -> None:
-        """Remove group ``name`` (it must be empty); never raises."""
+        """Remove group ``name`` and its ``work`` child (they must be empty); never raises."""
         for d in self._dirs(name):
-            try:
-                d.rmdir()
-            except OSError:
-                pass
+            for g in (d / _WORK, d):
+                try:
+                    g.rmdir()
+                except OSError:
+                    pass
 
     def kill_and_remove(self, name: str, timeout: float = 5.0) -> None:
         """Kill group ``name`` until empty, then remove it; blocking (for the reaper)."""

@@ -9,7 +9,8 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
   and nothing of the host's home, work trees or environment (``--clearenv``);
 * the image's repo at ``/testbed`` as an overlayfs whose upper layer is private to the
   sandbox (copy-on-write, not a copy), and a private ``/tmp``;
-* CPU, memory and pid limits from its own cgroup, joined before bubblewrap starts.
+* CPU, memory and pid limits from its own cgroup, joined before bubblewrap starts; its
+  commands run one level down (``_cgroup``), so a fork or memory bomb cannot starve the agent.
 
 An image is a directory ``<images_root>/<safe-name>/`` holding ``image.json``, ``repo/`` and
 ``venv/`` (see :class:`LocalImage`); building one is hydration, done before rollouts ask.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import ctypes
 import ctypes.util
 import itertools
@@ -31,6 +33,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
 from pydantic import BaseModel, ValidationError
@@ -44,6 +47,7 @@ __all__ = ["LocalBackend", "LocalImage", "LocalSandbox", "image_dir"]
 
 _AGENT = Path(__file__).with_name("_agent.py")
 _AGENT_IN_SANDBOX = "/opt/sandpool/agent.py"
+_WORK_CGROUP_IN_SANDBOX = "/opt/sandpool/work-cgroup"
 _SANDBOX_UID = 1000
 _TRANSPORT_GRACE_S = 10.0
 _STREAM_LIMIT = 256 << 20  # bytes; one response line carries a whole (base64) output
@@ -98,6 +102,8 @@ class LocalSandbox(Sandbox):
         self._pending: dict[int, asyncio.Future[dict]] = {}
         self._ids = itertools.count(1)
         self._dead: str | None = None
+        self._death: errors.SandpoolError | None = None
+        self.host_killed = False  # set by the backend before it kills the process tree
         self._ready: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self._ready.add_done_callback(_retrieve)
         self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-reader-{sid}")
@@ -137,8 +143,21 @@ class LocalSandbox(Sandbox):
                     fut.set_result(msg)
         except (ValueError, OSError) as exc:  # line over the stream limit, or pipe error
             reason = f"agent channel failed: {exc}"
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._proc.wait(), 2.0)
+        rc = self._proc.returncode
+        err: errors.SandpoolError
+        if rc is not None and rc > 128 and not self.host_killed and self._ready.done():
+            # bubblewrap outlived its agent and reports the signal that killed it: only a
+            # process inside the sandbox (or the sandbox's own OOM) sends that. The host's
+            # kills take bubblewrap first (a negative return code).
+            reason = (f"its agent was killed by signal {rc - 128} from inside the sandbox (the "
+                      "policy's processes killed it or exhausted its memory)")
+            err = errors.SandboxExhausted(f"sandbox {self.id}: {reason}")
+        else:
+            err = errors.SandboxDied(f"sandbox {self.id}: {reason}")
         self._dead = reason
-        err = errors.SandboxDied(f"sandbox {self.id}: {reason}")
+        self._death = err
         if not self._ready.done():
             self._ready.set_exception(err)
         for fut in self._pending.values():
@@ -159,6 +178,8 @@ class LocalSandbox(Sandbox):
 
     async def _call(self, op: str, wait_s: float, **fields: object) -> dict:
         # The single boundary where OS and protocol errors become sandpool errors.
+        if self._death is not None:
+            raise self._death
         if self._dead is not None:
             raise errors.SandboxDied(f"sandbox {self.id}: {self._dead}")
         rid = next(self._ids)
@@ -171,6 +192,9 @@ class LocalSandbox(Sandbox):
             await self._proc.stdin.drain()
             msg = await asyncio.wait_for(fut, wait_s)
         except (BrokenPipeError, ConnectionResetError) as exc:
+            await asyncio.shield(self._reader)  # it says whether the death came from inside
+            if self._death is not None:
+                raise self._death from exc
             raise errors.SandboxDied(f"sandbox {self.id}: channel closed ({exc})") from exc
         except TimeoutError:
             raise errors.ExecTransportError(
@@ -219,14 +243,18 @@ class LocalSandbox(Sandbox):
     async def read_file(self, path: str) -> bytes:
         """Return the bytes of ``path``; see :meth:`Sandbox.read_file`."""
         msg = await self._call("read_file", 60.0, path=self._abs(path))
-        if "error" in msg:
-            raise FileNotFoundError(f"{path} in sandbox {self.id}: {msg['error']}")
+        self._raise_os_error(msg, path)
         return base64.b64decode(msg["data"])
 
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         """Write ``data`` to ``path``; see :meth:`Sandbox.write_file`."""
-        await self._call("write_file", 60.0, path=self._abs(path),
-                         data=base64.b64encode(data).decode(), mode=mode)
+        msg = await self._call("write_file", 60.0, path=self._abs(path),
+                               data=base64.b64encode(data).decode(), mode=mode)
+        self._raise_os_error(msg, path)
+
+    def _raise_os_error(self, msg: dict, path: str) -> None:
+        if msg.get("error") == "os_error":
+            raise errors.sandbox_file_error(int(msg["errno"]), path, f"in sandbox {self.id}")
 
     async def processes(self) -> list[str]:
         """Command lines of every process in the sandbox except its agent and init."""
@@ -351,7 +379,7 @@ class LocalBackend(Backend):
         """Verify that local image ``image`` is built; see :meth:`image`."""
         self.image(image)
 
-    def _bwrap_argv(self, img: LocalImage, merged: Path) -> list[str]:
+    def _bwrap_argv(self, img: LocalImage, merged: Path, work_procs: Sequence[str] = ()) -> list[str]:
         venv_bin = f"{img.venv}/bin"
         argv = [
             self.bwrap,
@@ -385,6 +413,14 @@ class LocalBackend(Backend):
             "--ro-bind", img.venv, img.venv,
             "--bind", str(merged), img.workdir,
             "--ro-bind", str(_AGENT), _AGENT_IN_SANDBOX,
+        ]
+        # The agent puts each command into the work cgroup (its pid and memory budget),
+        # through these files only: the policy cannot see or change any limit.
+        for i, procs in enumerate(work_procs):
+            argv += ["--bind", procs, f"{_WORK_CGROUP_IN_SANDBOX}/{i}"]
+        if work_procs:
+            argv += ["--setenv", "SANDPOOL_WORK_CGROUP", _WORK_CGROUP_IN_SANDBOX]
+        argv += [
             "--setenv", "PATH", f"{venv_bin}:/usr/local/bin:/usr/bin:/bin",
             "--setenv", "VIRTUAL_ENV", img.venv,
             "--setenv", "HOME", "/tmp",
@@ -428,13 +464,14 @@ class LocalBackend(Backend):
                 d.mkdir(parents=True)
             _mount_overlay(img.repo, upper, work, merged)
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
+            work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
             stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
             try:
                 proc = await asyncio.create_subprocess_exec(
                     "/bin/sh", "-c",
                     # Join the cgroups first, so every process the sandbox forks is inside.
                     'for f in $SANDPOOL_CGROUP_PROCS; do echo $$ > "$f"; done; exec "$@"',
-                    "sh", *self._bwrap_argv(img, merged),
+                    "sh", *self._bwrap_argv(img, merged, work_procs),
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=stderr,
@@ -459,6 +496,7 @@ class LocalBackend(Backend):
         """Kill the sandbox's whole process tree, unmount its overlay, remove its state."""
         assert isinstance(sandbox, LocalSandbox)
         self._live.pop(sandbox.id, None)
+        sandbox.host_killed = True
         proc = sandbox._proc
         if proc.returncode is None:
             try:
@@ -485,17 +523,20 @@ class LocalBackend(Backend):
 
     def kill(self, sandbox: LocalSandbox) -> None:
         """SIGKILL the sandbox's process tree without cleaning up, as an OOM kill or a crash
-        would; the pool then finds it dead. Used by fault tests and ``sandpool`` chaos runs."""
+        would from outside; the pool then finds it dead (``SandboxDied``, infra). Used by
+        fault tests and the fault matrix. bubblewrap goes first, so its exit status says the
+        kill came from the host."""
+        sandbox.host_killed = True
+        try:
+            os.kill(sandbox.pid, signal.SIGKILL)
+        except OSError:
+            pass
         if self._cgroups is not None:
             for pid in self._cgroups.pids(sandbox.id):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except OSError:
                     pass
-        try:
-            os.kill(sandbox.pid, signal.SIGKILL)
-        except OSError:
-            pass
 
     async def aclose(self) -> None:
         """Delete every live sandbox, this run's cgroups and state directory."""
