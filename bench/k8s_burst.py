@@ -41,6 +41,7 @@ from _plot import ttfc_cdf
 from sandpool.core import PoolLimits, SandboxPool, Task, run_rollout
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
 from sandpool.core.metrics import Workload
+from sandpool.testing.kwok import exec_prefix
 
 MODES = {
     "pods": ("pods", "cold"),
@@ -126,6 +127,7 @@ async def run_mode(
         qps=args.qps,
         burst=args.burst,
         image_map=lambda n: PodImage(n, workdir_source=str(source)),
+        exec_prefix=exec_prefix,
     )
     http = await admin._ensure_client()
     await http.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})

@@ -1,9 +1,13 @@
 """The Kubernetes backend: agent-sandbox (v1beta1) warm pools and claims, or plain pods.
 
-Layout: :mod:`.backend` (the backend and sandbox), :mod:`._http` (REST/watch/exec over one
-session, throttled and retried), :mod:`._errors` (the one error-translation boundary),
-:mod:`._watch` (the shared watch per resource), :mod:`._exec` (the exec channel protocol
-and the in-pod command wrapper), :mod:`._manifests` (the objects sent).
+Layout: :mod:`.backend` (the backend: shared state, create/delete/close) assembled from its
+seams :mod:`._claims` (templates, warm pools, claims), :mod:`._pods` (plain pods, pod
+status), :mod:`._preflight` and :mod:`._gc`; :mod:`._sandbox` (the sandbox) over
+:mod:`._exec` (the exec channel protocol and the in-pod command wrapper); :mod:`._http`
+(REST/watch/exec over one session, throttled and retried), :mod:`._errors` (the one
+error-translation boundary), :mod:`._watch` (the shared watch per resource),
+:mod:`._manifests` (the objects sent). The kwok test cluster's pieces live in
+:mod:`sandpool.testing.kwok`.
 
 The client library (``kubernetes_asyncio``, with ``aiohttp``; the ``sandpool[kubernetes]``
 extra) is imported on first use of a name from this package, never by :mod:`sandpool.core`.
@@ -20,7 +24,6 @@ __all__ = [
     "KubernetesSandbox",
     "PodImage",
     "gc",
-    "local_pack_image_map",
 ]
 
 _WHERE = {"PodImage": "_manifests"}

@@ -18,11 +18,8 @@ The command runs under a small POSIX-sh wrapper (:data:`WRAPPER`), in the pod:
 * every process of the exec carries ``SANDPOOL_SANDBOX=<sandbox id>`` and
   ``SANDPOOL_EXEC=<sandbox id>.<n>`` in its environment, so a process that called setsid()
   to leave the group is still found (and killed on timeout) by its marker;
-* with ``host_exec`` (kwok: the pod's exec is a process on the node host, in the pod's
-  workdir), the wrapper runs in a private mount namespace (``unshare --mount``) where the
-  pod's workdir is bind-mounted at the image workdir (``/testbed``) and a per-pod directory
-  at ``/tmp``: the in-place reset's ``/tmp`` cleanup then touches the pod's own ``/tmp``,
-  never the host's.
+* an :class:`ExecTarget` may carry an argv ``prefix`` put before the wrapper (the local
+  kwok cluster confines its host-process exec this way, see :mod:`sandpool.testing.kwok`).
 """
 
 from __future__ import annotations
@@ -49,20 +46,14 @@ _SIGNALLED = re.compile(r"signal: (\w[\w ]*)")
 #: Exit code the wrapper uses when it cannot set up the sandbox view (mounts, cwd).
 SETUP_FAILED = 125
 
-# $1 host_exec (0/1)  $2 pod workdir (host path)  $3 image workdir  $4 pod tmp dir  $5 cwd
-# $6 timeout seconds  $7 exec marker  $8 sandbox marker  $9 max output bytes  $10 N, then N
-# NAME=value environment entries; the rest is the command. Forks are kept few: an exec's
-# cost on a kwok node is mostly process creation.
+# $1 image workdir  $2 cwd  $3 timeout seconds  $4 exec marker  $5 sandbox marker  $6 max
+# output bytes  $7 N, then N NAME=value environment entries; the rest is the command. Forks
+# are kept few: an exec's cost on a kwok node is mostly process creation.
 WRAPPER = r"""
-export SANDPOOL_SANDBOX="$8" SANDPOOL_EXEC="$7"
-if [ "$1" = 1 ]; then
-  { [ -d "$3" ] || mkdir -p "$3"; } && { [ -d "$4" ] || mkdir -p "$4"; } \
-    && mount --bind "$2" "$3" && mount --bind "$4" /tmp \
-    || { echo "sandpool: cannot set up the pod's filesystem view" >&2; exit 125; }
-fi
-d="$3/.git/sandpool-exec"; [ -d "$3/.git" ] || d=/var/tmp/sandpool-exec
+export SANDPOOL_SANDBOX="$5" SANDPOOL_EXEC="$4"
+d="$1/.git/sandpool-exec"; [ -d "$1/.git" ] || d=/var/tmp/sandpool-exec
 [ -d "$d" ] || mkdir -p "$d" || { echo "sandpool: cannot create $d" >&2; exit 125; }
-o="$d/$7.out"; e="$d/$7.err"; cwd=$5; t=$6; m=$7; max=$9; shift 9
+o="$d/$4.out"; e="$d/$4.err"; cwd=$2; t=$3; m=$4; max=$6; shift 6
 n=$1; shift; while [ "$n" -gt 0 ]; do export "$1"; shift; n=$((n-1)); done
 if cd "$cwd" 2>/dev/null; then
   exec 3>&2 2>/dev/null
@@ -120,8 +111,8 @@ class ExecTarget:
         container: The container name.
         sandbox_id: The sandbox id carried as ``SANDPOOL_SANDBOX`` by every exec.
         workdir: The repo path as commands see it (``/testbed``).
-        host_exec: True when the exec runs on the node host (kwok), see the module doc.
-        host_workdir: The pod's workdir on the host (``host_exec`` only).
+        prefix: Argv put before every exec's own (e.g. a confinement wrapper that ends in
+            ``exec "$@"``); empty on a real cluster.
     """
 
     namespace: str
@@ -129,14 +120,7 @@ class ExecTarget:
     container: str
     sandbox_id: str
     workdir: str
-    host_exec: bool = False
-    host_workdir: str = ""
-
-    @property
-    def host_tmp(self) -> str:
-        """The pod's private ``/tmp`` on the host: inside ``.git``, so git never sees it and it
-        is removed with the pod's workdir."""
-        return f"{self.host_workdir}/.git/sandpool-tmp"
+    prefix: tuple[str, ...] = ()
 
 
 def parse_status(raw: bytes | None) -> tuple[int | None, str]:
@@ -180,17 +164,13 @@ def build_argv(
     """The argv sent to the exec subresource for one command (see :data:`WRAPPER`)."""
     user = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
     envs = [f"{k}={v}" for k, v in env.items()]
-    head = ["unshare", "--mount", "--propagation", "private", "--"] if target.host_exec else []
     return [
-        *head,
+        *target.prefix,
         "/bin/sh",
         "-c",
         WRAPPER,
         "sandpool-exec",
-        "1" if target.host_exec else "0",
-        target.host_workdir or "-",
         target.workdir,
-        target.host_tmp if target.host_exec else "-",
         cwd,
         f"{max(timeout, 0.001):.3f}",
         exec_id,

@@ -24,6 +24,7 @@ __all__ = [
     "WARMPOOL",
     "claim",
     "image_key",
+    "ns_path",
     "pod",
     "pod_spec",
     "template",
@@ -173,3 +174,11 @@ def pod(name: str, run_id: str, image: str, pi: PodImage, spec: dict[str, Any]) 
     """A plain Pod for one rollout (the ``pods`` mode)."""
     meta = _pod_meta(run_id, image, pi)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **meta}, "spec": spec}
+
+
+def ns_path(namespace: str, resource: str) -> str:
+    """The REST collection path of ``resource`` (``pods`` or an agent-sandbox plural) in
+    ``namespace``."""
+    if resource == "pods":
+        return f"/api/v1/namespaces/{namespace}/pods"
+    return f"/apis/{EXT_GROUP}/{VERSION}/namespaces/{namespace}/{resource}"

@@ -1,0 +1,185 @@
+"""Plain pods: what a pod's status means (Ready, a start that will never succeed, death),
+the ``pods`` mode's create, and the wait that turns a Ready pod into a sandbox.
+
+:class:`PodsMixin` is part of :class:`~.backend.KubernetesBackend` (it uses the backend's
+client, pod watch and image map); it is split out so each seam reads on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from sandpool.core import errors
+from sandpool.core.backends.kubernetes import _manifests as m
+from sandpool.core.backends.kubernetes._exec import ExecTarget
+from sandpool.core.backends.kubernetes._manifests import ns_path
+from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
+
+if TYPE_CHECKING:
+    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
+
+__all__ = ["PodsMixin", "cond", "pod_death", "pod_ready", "pod_start_failure"]
+
+log = logging.getLogger("sandpool.kubernetes")
+
+_START_FAIL_WAITING = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "InvalidImageName",
+        "ErrImageNeverPull",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+    }
+)
+# Claim Ready=False reasons that never resolve by waiting.
+
+
+def cond(obj: Mapping[str, Any] | None, ctype: str) -> Mapping[str, Any] | None:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c.get("type") == ctype:
+            return c
+    return None
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """True when the pod is Running with its Ready condition True."""
+    c = cond(pod, "Ready")
+    return (
+        (pod.get("status") or {}).get("phase") == "Running"
+        and c is not None
+        and c.get("status") == "True"
+    )
+
+
+def pod_start_failure(pod: Mapping[str, Any]) -> str | None:
+    """Why a starting pod will never become Ready, or None while it may still."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if err := (meta.get("annotations") or {}).get(m.PROVISION_ERROR):
+        return f"provisioning failed: {err}"
+    for cs in status.get("containerStatuses") or []:
+        state = cs.get("state") or {}
+        waiting = state.get("waiting") or {}
+        if waiting.get("reason") in _START_FAIL_WAITING:
+            return f"container {cs.get('name')}: {waiting['reason']}: {waiting.get('message', '')}".strip()
+        term = state.get("terminated") or {}
+        if term:
+            return f"container {cs.get('name')} terminated: {term.get('reason', '')} (exit {term.get('exitCode')})"
+    if status.get("phase") in ("Failed", "Succeeded"):
+        return f"pod phase {status['phase']}: {status.get('reason', '')} {status.get('message', '')}".strip()
+    sched = cond(pod, "PodScheduled")
+    if sched and sched.get("status") == "False" and sched.get("reason") == "Unschedulable":
+        msg = sched.get("message", "")
+        # Capacity frees up as other pods end; a selector, taint or runtime class never does.
+        if msg and not re.search(r"Insufficient|Too many pods", msg):
+            return f"unschedulable: {msg}"
+    return None
+
+
+def pod_death(pod: Mapping[str, Any] | None, uid: str) -> str | None:
+    """Why a Ready pod with UID ``uid`` is no longer usable, or None while it is."""
+    if pod is None:
+        return "the pod was deleted"
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    if meta.get("uid") != uid:
+        return "the pod was replaced by a new one of the same name"
+    for cs in status.get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term:
+            return f"container {cs.get('name')} terminated: {term.get('reason', '')} (exit {term.get('exitCode')})"
+    if status.get("phase") in ("Failed", "Succeeded"):
+        return f"pod {status['phase'].lower()}: {status.get('reason', '')} {status.get('message', '')}".strip()
+    if meta.get("deletionTimestamp"):
+        return f"the pod is being deleted{' (' + status['reason'] + ')' if status.get('reason') else ''}"
+    return None
+
+
+class PodsMixin:
+    """The pod seam of :class:`~.backend.KubernetesBackend`: create a plain pod, wait for a
+    pod to be Ready, delete one object."""
+
+    async def _create_pod(self: KubernetesBackend, image: str, n: int) -> KubernetesSandbox:
+        """``pods`` mode: create pod ``sp-<run>-p<n>`` of ``image`` and wait until it is Ready."""
+        http = await self._ensure_client()
+        pod_name = f"sp-{self.run_id}-p{n}"
+        pi = self.pod_image(image)
+        await http.request(
+            "POST",
+            ns_path(self.namespace, "pods"),
+            body=m.pod(pod_name, self.run_id, image, pi, self._pod_spec(pi)),
+        )
+        try:
+            return await self._await_pod(image, pod_name, pod_name, None)
+        except BaseException:
+            await self._delete_object("pods", pod_name)
+            raise
+
+    async def _await_pod(
+        self: KubernetesBackend, image: str, pod_name: str, sid: str, claim: str | None
+    ) -> KubernetesSandbox:
+        assert self._pods is not None
+
+        def check(pod: dict[str, Any] | None) -> dict[str, Any] | None:
+            if pod is None:
+                return None
+            if pod_ready(pod) and not pod["metadata"].get("deletionTimestamp"):
+                return pod
+            if why := pod_start_failure(pod):
+                raise errors.SandboxStartError(f"pod {self.namespace}/{pod_name}: {why}")
+            return None
+
+        try:
+            pod = await self._pods.wait(pod_name, check, self.ready_timeout)
+        except TimeoutError:
+            raise errors.InfraTimeout(
+                f"pod {self.namespace}/{pod_name} was not Ready within {self.ready_timeout:.0f} s"
+            ) from None
+        pi = self.pod_image(image)
+        try:
+            prefix = tuple(self.exec_prefix(pod, pi.workdir)) if self.exec_prefix else ()
+        except (KeyError, ValueError) as exc:
+            raise errors.SandboxStartError(f"pod {pod_name}: exec_prefix: {exc}") from None
+        target = ExecTarget(
+            namespace=self.namespace,
+            pod=pod_name,
+            container=self.container,
+            sandbox_id=f"{self.run_id}-{sid}",
+            workdir=pi.workdir,
+            prefix=prefix,
+        )
+        sb = KubernetesSandbox(
+            self, target.sandbox_id, image, target, pod["metadata"]["uid"], claim
+        )
+        sb.head = pi.head
+        self._live[sb.id] = sb
+        self._by_pod[pod_name] = sb
+        if why := pod_death(self._pods.get(pod_name), sb.pod_uid):
+            sb._mark_dead(why)
+        return sb
+
+    async def _delete_object(self: KubernetesBackend, resource: str, name: str) -> None:
+        http = await self._ensure_client()
+        query = {"propagationPolicy": "Background"}
+        if resource == "pods":
+            query["gracePeriodSeconds"] = "0"
+        try:
+            await http.request(
+                "DELETE",
+                f"{ns_path(self.namespace, resource)}/{name}",
+                query=query,
+                ok_missing=True,
+            )
+        except errors.InfraError as exc:  # gc by run id removes what this could not
+            log.warning(
+                "deleting %s/%s failed: %s (sandpool gc --run-id %s removes it)",
+                resource,
+                name,
+                exc,
+                self.run_id,
+            )
+

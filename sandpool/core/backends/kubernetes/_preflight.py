@@ -1,0 +1,178 @@
+"""Preflight: check the cluster can run the backend, and say what to fix in one sentence.
+
+:class:`PreflightMixin` is part of :class:`~.backend.KubernetesBackend`; it is split out so
+each seam reads on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from sandpool.core import errors
+from sandpool.core.backends.kubernetes import _manifests as m
+from sandpool.core.backends.kubernetes._http import KubeHttp
+from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
+
+if TYPE_CHECKING:
+    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
+
+__all__ = ["PreflightMixin"]
+
+log = logging.getLogger("sandpool.kubernetes")
+
+
+class PreflightMixin:
+    """The preflight seam of :class:`~.backend.KubernetesBackend`."""
+
+    async def preflight(self: KubernetesBackend) -> None:
+        """Check the cluster can run this backend; raise one clear sentence if not.
+
+        Checks, in order: the kubeconfig loads; the API answers; the namespace exists; the
+        agent-sandbox CRDs are served (agent-sandbox mode); RBAC allows every verb the
+        backend uses (SelfSubjectAccessReview); the runtime class exists; the agent-sandbox
+        controller reconciles (a probe SandboxWarmPool of 0 replicas gets a status).
+
+        Raises:
+            BackendUnavailable: With the failed check and its fix.
+        """
+        if self._preflight_ok:
+            return
+        http = await self._ensure_client()
+        try:
+            await http.request("GET", "/version")
+        except errors.InfraError as exc:
+            raise errors.BackendUnavailable(
+                f"the Kubernetes API at {http.host} is not reachable ({exc}); start the cluster "
+                "or fix the kubeconfig"
+            ) from None
+        try:
+            ns = await http.request("GET", f"/api/v1/namespaces/{self.namespace}", ok_missing=True)
+        except errors.BackendUnavailable:  # may not read namespaces: the RBAC check speaks next
+            ns = {}
+        if ns is None:
+            raise errors.BackendUnavailable(
+                f"namespace {self.namespace!r} does not exist; create it "
+                f"(kubectl create namespace {self.namespace}) or pass namespace=..."
+            )
+        if self.mode == "agent-sandbox":
+            for group, want in (
+                (m.EXT_GROUP, {m.TEMPLATE, m.WARMPOOL, m.CLAIM}),
+                (m.CORE_GROUP, {m.SANDBOX}),
+            ):
+                found = await http.request("GET", f"/apis/{group}/{m.VERSION}", ok_missing=True)
+                have = {r["name"] for r in (found or {}).get("resources", [])}
+                if not want <= have:
+                    raise errors.BackendUnavailable(
+                        f"the agent-sandbox CRDs are not installed: {group}/{m.VERSION} does not "
+                        f"serve {sorted(want - have)}; install agent-sandbox's k8s/crds "
+                        "(and its controller with --extensions), or use mode='pods'"
+                    )
+        await self._check_rbac(http)
+        if self.runtime_class:
+            rc = await http.request(
+                "GET", f"/apis/node.k8s.io/v1/runtimeclasses/{self.runtime_class}", ok_missing=True
+            )
+            if rc is None:
+                raise errors.BackendUnavailable(
+                    f"runtimeClass {self.runtime_class!r} does not exist in the cluster; install "
+                    "its handler and RuntimeClass (e.g. gVisor's runsc) or pass runtime_class=None"
+                )
+        await self._ensure_watches()
+        if self.mode == "agent-sandbox":
+            await self._probe_controller(http)
+        self._preflight_ok = True
+
+    def _needed_verbs(self: KubernetesBackend) -> list[tuple[str, str, str, str]]:
+        core = [
+            ("get", "", "pods", ""),
+            ("list", "", "pods", ""),
+            ("watch", "", "pods", ""),
+            ("create", "", "pods", "exec"),
+            ("get", "", "pods", "exec"),
+        ]
+        if self.mode == "pods":
+            return core + [
+                ("create", "", "pods", ""),
+                ("delete", "", "pods", ""),
+                ("deletecollection", "", "pods", ""),
+            ]
+        ext = []
+        for res, verbs in (
+            (m.TEMPLATE, ("create", "delete", "deletecollection")),
+            (m.WARMPOOL, ("create", "patch", "list", "watch", "delete", "deletecollection")),
+            (m.CLAIM, ("create", "list", "watch", "delete", "deletecollection")),
+        ):
+            ext += [(v, m.EXT_GROUP, res, "") for v in verbs]
+        return core + ext
+
+    async def _check_rbac(self: KubernetesBackend, http: KubeHttp) -> None:
+        async def review(verb: str, group: str, resource: str, sub: str) -> tuple[str, bool, str]:
+            attrs = {
+                "namespace": self.namespace,
+                "verb": verb,
+                "group": group,
+                "resource": resource,
+            }
+            if sub:
+                attrs["subresource"] = sub
+            body = {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attrs},
+            }
+            ans = await http.request(
+                "POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body=body
+            )
+            st = (ans or {}).get("status") or {}
+            what = (
+                f"{verb} {resource}{'/' + sub if sub else ''}{' (' + group + ')' if group else ''}"
+            )
+            return what, bool(st.get("allowed")), st.get("reason", "")
+
+        results = await asyncio.gather(*(review(*v) for v in self._needed_verbs()))
+        denied = [w for w, ok, _ in results if not ok]
+        if denied:
+            raise errors.BackendUnavailable(
+                f"RBAC denies {', '.join(denied)} in namespace {self.namespace!r} to the "
+                "kubeconfig's user; grant these verbs with a Role and RoleBinding"
+            )
+
+    async def _probe_controller(self: KubernetesBackend, http: KubeHttp) -> None:
+        assert self._warmpools is not None
+        name = f"sp-{self.run_id}-probe"
+        pi = PodImage("sandpool/probe:0")  # never started: the pool has 0 replicas
+        await http.request(
+            "POST",
+            ns_path(self.namespace, m.TEMPLATE),
+            ok_exists=True,
+            body=m.template(name, self.run_id, "probe", pi, self._pod_spec(pi)),
+        )
+        await http.request(
+            "POST",
+            ns_path(self.namespace, m.WARMPOOL),
+            ok_exists=True,
+            body=m.warm_pool(name, self.run_id, "probe", name, 0),
+        )
+        try:
+            await self._warmpools.wait(
+                name,
+                lambda o: True if o and (o.get("status") or {}).get("observedGeneration") else None,
+                self.controller_timeout,
+            )
+        except TimeoutError:
+            raise errors.BackendUnavailable(
+                f"the agent-sandbox controller is not running: a SandboxWarmPool got no status "
+                f"within {self.controller_timeout:.0f} s; start agent-sandbox-controller with "
+                "--extensions=true watching this namespace"
+            ) from None
+        finally:
+            for res in (m.WARMPOOL, m.TEMPLATE):
+                try:
+                    await http.request(
+                        "DELETE", f"{ns_path(self.namespace, res)}/{name}", ok_missing=True
+                    )
+                except errors.InfraError as exc:
+                    log.warning("could not delete probe %s/%s: %s", res, name, exc)
+

@@ -1,0 +1,216 @@
+"""The sandbox side of the Kubernetes backend: one pod spoken to over exec.
+
+:class:`KubernetesSandbox` runs commands, file reads and writes and process listing through
+the exec channel of :mod:`._exec`; its death is set by the backend's shared pod watch.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
+
+from sandpool.core import errors
+from sandpool.core.backends.kubernetes._exec import PROCS, ExecTarget, build_argv, run_exec
+from sandpool.core.base import ExecResult, Sandbox
+
+if TYPE_CHECKING:
+    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
+
+__all__ = ["KubernetesSandbox"]
+
+_FILE_CHUNK = 48 << 10  # bytes per write_file exec (base64 in one argv element < 128 KiB)
+
+
+class KubernetesSandbox(Sandbox):
+    """One pod (claimed through a SandboxClaim, or created directly) spoken to over exec.
+
+    Created by :meth:`KubernetesBackend.create`; not constructed directly.
+
+    Attributes:
+        pod: The pod name.
+        pod_uid: The pod's UID when it became Ready (a pod re-created under the same name is
+            a different sandbox: this one counts as dead).
+        claim: The SandboxClaim name (agent-sandbox mode), else None.
+        protocol: The exec channel protocol last negotiated (``v5.channel.k8s.io``...).
+    """
+
+    def __init__(
+        self,
+        backend: KubernetesBackend,
+        sid: str,
+        image: str,
+        target: ExecTarget,
+        pod_uid: str,
+        claim: str | None,
+    ) -> None:
+        self.id = sid
+        self.image = image
+        self.workdir = target.workdir
+        self.pod = target.pod
+        self.pod_uid = pod_uid
+        self.claim = claim
+        self.protocol: str | None = None
+        self._backend = backend
+        self._target = target
+        self._seq = itertools.count(1)
+        self._dead: str | None = None
+
+    def __repr__(self) -> str:
+        state = f"dead: {self._dead}" if self._dead else "alive"
+        return f"<KubernetesSandbox {self.id} pod={self.pod} claim={self.claim} {state}>"
+
+    def alive(self) -> bool:
+        """False once the shared pod watch saw the pod deleted, evicted, failed or replaced."""
+        return self._dead is None
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+
+    def _died(self) -> errors.SandboxDied:
+        return errors.SandboxDied(
+            f"sandbox {self.id} (pod {self._target.namespace}/{self.pod}): {self._dead}"
+        )
+
+    def _abs(self, path: str) -> str:
+        p = PurePosixPath(path)
+        return str(p if p.is_absolute() else PurePosixPath(self.workdir) / p)
+
+    async def _run(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float,
+        cwd: str | None,
+        env: dict[str, str] | None,
+        max_output: int,
+    ) -> tuple[ExecResult, str]:
+        if self._dead is not None:
+            raise self._died()
+        exec_id = f"{self.id}.{next(self._seq)}"
+        argv = build_argv(
+            self._target,
+            exec_id,
+            cmd,
+            timeout=timeout,
+            cwd=self._abs(cwd or self.workdir),
+            env=env or {},
+            max_output=max_output,
+        )
+        try:
+            res, self.protocol = await run_exec(
+                self._backend._http, self._target, argv, timeout=timeout, max_output=max_output
+            )
+        except errors.ExecTransportError:
+            if self._dead is not None:  # the stream broke because the pod went away
+                raise self._died() from None
+            raise
+        if self._dead is not None:  # the pod died while the command ran: its result is void
+            raise self._died()
+        return res, exec_id
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        max_output: int = 1 << 20,
+    ) -> ExecResult:
+        """Run ``cmd`` in the pod through the exec subresource; see :meth:`Sandbox.exec`.
+
+        Raises:
+            SandboxDied: The pod was deleted, evicted, OOM-killed or replaced.
+            ExecTransportError: The WebSocket failed or ended without an exit status.
+        """
+        return (await self._run(cmd, timeout=timeout, cwd=cwd, env=env, max_output=max_output))[0]
+
+    async def read_file(self, path: str) -> bytes:
+        """Return the bytes of ``path`` (``cat`` over binary frames); see :meth:`Sandbox.read_file`.
+
+        Raises:
+            FileNotFoundError: No such regular file in the pod.
+            SandboxDied, ExecTransportError: As :meth:`exec`.
+        """
+        res = await self.exec(
+            ["/bin/sh", "-c", '[ -f "$1" ] || exit 44; exec cat -- "$1"', "sh", self._abs(path)],
+            timeout=120.0,
+            max_output=1 << 31,
+        )
+        if res.exit_code == 44:
+            raise FileNotFoundError(f"{path} in sandbox {self.id}: not a regular file")
+        if not res.ok:
+            raise errors.ExecTransportError(
+                f"reading {path} in sandbox {self.id} failed "
+                f"(exit {res.exit_code}): {res.err_text.strip()[:200]}"
+            )
+        return res.stdout
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path`` as base64 chunks over exec, then rename into place.
+
+        Raises:
+            SandboxDied, ExecTransportError: As :meth:`exec`; also when the pod refuses the write.
+        """
+        dest = self._abs(path)
+        chunks = [data[i : i + _FILE_CHUNK] for i in range(0, len(data), _FILE_CHUNK)] or [b""]
+        for i, chunk in enumerate(chunks):
+            last = i == len(chunks) - 1
+            script = 'set -e; mkdir -p "$(dirname "$1")"; ' if i == 0 else "set -e; "
+            script += 'printf %s "$2" | base64 -d ' + (
+                '> "$1.sp-part"' if i == 0 else '>> "$1.sp-part"'
+            )
+            if last:
+                script += '; chmod "$3" "$1.sp-part"; mv -f "$1.sp-part" "$1"'
+            res = await self.exec(
+                [
+                    "/bin/sh",
+                    "-c",
+                    script,
+                    "sh",
+                    dest,
+                    base64.b64encode(chunk).decode(),
+                    f"{mode:o}",
+                ],
+                timeout=120.0,
+            )
+            if not res.ok:
+                raise errors.ExecTransportError(
+                    f"writing {path} in sandbox {self.id} failed (exit {res.exit_code}): "
+                    f"{res.err_text.strip()[:200]}"
+                )
+
+    async def processes(self) -> list[str]:
+        """Command lines of the processes started by this sandbox's execs, except the asking one.
+
+        Only processes carrying this sandbox's ``SANDPOOL_SANDBOX`` marker are seen: on kwok
+        the pod's exec runs on the host, and host processes are never listed or touched.
+        """
+        res = await self._run(
+            ["/bin/sh", "-c", PROCS, "sh", self.id, "list"],
+            timeout=30.0,
+            cwd="/",
+            env=None,
+            max_output=1 << 20,
+        )
+        return [line for line in res[0].text.splitlines() if line.strip()]
+
+    async def kill_strays(self) -> int:
+        """SIGKILL every process carrying this sandbox's marker but the asking exec; return how many."""
+        res = await self._run(
+            ["/bin/sh", "-c", PROCS, "sh", self.id, "kill"],
+            timeout=30.0,
+            cwd="/",
+            env=None,
+            max_output=1 << 20,
+        )
+        try:
+            return int(res[0].text.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise errors.ExecTransportError(
+                f"kill_strays in sandbox {self.id}: unexpected answer {res[0].text[:100]!r}"
+            ) from None
+

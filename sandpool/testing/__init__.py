@@ -1,0 +1,1 @@
+"""Helpers for sandpool's own test clusters and benchmarks; never used by the runtime."""
