@@ -170,13 +170,26 @@ async def test_grade_applies_the_test_patch_before_running(local_backend, calc_t
     assert after.reward == 1.0 and "PASSED test_calc.py::test_negative" in after.log
 
 
-async def test_grade_scores_zero_when_the_test_patch_does_not_apply(local_backend, calc_task):
+async def test_grade_reports_a_test_patch_that_does_not_apply_to_base_as_a_broken_task(local_backend, calc_task):
     bad = "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-x\n+y\n"
     task = calc_task.model_copy(update={"test_patch": bad})
     sb = await _at_base(local_backend, task)
     await _apply(sb, task.patch)
+    with pytest.raises(errors.BrokenTaskError, match="test_patch does not apply to base"):
+        await grade(sb, task, timeout=120)
+
+
+async def test_grade_scores_zero_when_the_policy_tree_rejects_a_test_patch_that_fits_base(local_backend, calc_task):
+    # The policy created the file the test patch adds: SWE-bench's `git apply` fails there too.
+    add = ("diff --git a/test_more.py b/test_more.py\nnew file mode 100644\n--- /dev/null\n"
+           "+++ b/test_more.py\n@@ -0,0 +1,4 @@\n+from calc import add\n+\n+def test_more():\n"
+           "+    assert add(2, 2) == 4\n")
+    task = calc_task.model_copy(update={"test_patch": add, "FAIL_TO_PASS": ("test_more.py::test_more",)})
+    sb = await _at_base(local_backend, task)
+    await _apply(sb, task.patch)
+    await sb.write_file("test_more.py", b"def test_more():\n    pass\n")
     result = await grade(sb, task, timeout=120)
-    assert result.reward == 0.0 and result.error is not None and "test_patch" in result.error
+    assert result.reward == 0.0 and result.error is not None and "did not apply" in result.error
 
 
 async def test_grade_scores_zero_when_the_policy_destroyed_the_repo(local_backend, calc_task):
@@ -201,8 +214,47 @@ async def test_grade_raises_infra_error_when_the_sandbox_dies(local_backend, cal
         await grade(sb, calc_task, timeout=120)
 
 
-async def test_grade_rejects_a_task_without_tests(local_backend, calc_task):
+async def test_grade_reports_a_task_without_tests_as_broken(local_backend, calc_task):
     sb = await _at_base(local_backend, calc_task)
     task = calc_task.model_copy(update={"FAIL_TO_PASS": (), "PASS_TO_PASS": ()})
-    with pytest.raises(errors.TaskValidationError, match="FAIL_TO_PASS"):
+    with pytest.raises(errors.BrokenTaskError, match="FAIL_TO_PASS"):
+        await grade(sb, task, timeout=120)
+
+
+# -- test patches that add, delete and rename files ----------------------------------------------
+
+_NEW_FILE = ("diff --git a/test_new.py b/test_new.py\nnew file mode 100644\nindex 0000000..1111111\n"
+             "--- /dev/null\n+++ b/test_new.py\n@@ -0,0 +1,5 @@\n+from calc import add\n+\n+\n"
+             "+def test_negative():\n+    assert add(-1, -2) == -3\n")
+_DELETE_OLD = ("diff --git a/test_calc.py b/test_calc.py\ndeleted file mode 100644\n--- a/test_calc.py\n"
+               "+++ /dev/null\n@@ -1,9 +0,0 @@\n-from calc import add\n-\n-\n-def test_add():\n"
+               "-    assert add(1, 2) == 3\n-\n-\n-def test_zero():\n-    assert add(0, 0) == 0\n")
+_RENAME = ("diff --git a/test_calc.py b/tests_moved.py\nsimilarity index 80%\nrename from test_calc.py\n"
+           "rename to tests_moved.py\n--- a/test_calc.py\n+++ b/tests_moved.py\n@@ -7,3 +7,7 @@ def test_add():\n"
+           " \n def test_zero():\n     assert add(0, 0) == 0\n+\n+\n+def test_two():\n"
+           "+    assert add(1, 1) == 2\n")
+
+
+@pytest.mark.parametrize(("test_patch", "f2p", "p2p"), [
+    (_NEW_FILE, ("test_new.py::test_negative",), ("test_calc.py::test_zero",)),
+    (_NEW_FILE + _DELETE_OLD, ("test_new.py::test_negative",), ()),
+    (_RENAME, ("tests_moved.py::test_add", "tests_moved.py::test_two"), ("tests_moved.py::test_zero",)),
+], ids=["adds-a-file", "adds-and-deletes", "renames-and-edits"])
+async def test_gold_scores_one_and_empty_zero_when_the_test_patch_adds_deletes_or_renames_files(
+        local_backend, calc_task, test_patch, f2p, p2p):
+    task = calc_task.model_copy(update={"test_patch": test_patch, "FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p})
+    empty = await grade(await _at_base(local_backend, task), task, timeout=120)
+    assert (empty.reward, empty.error, empty.tampering) == (0.0, None, ()), empty
+    sb = await _at_base(local_backend, task)
+    await _apply(sb, task.patch)
+    gold = await grade(sb, task, timeout=120)
+    assert (gold.reward, gold.error, gold.tampering) == (1.0, None, ()), gold.log[-2000:]
+    assert gold.f2p_passed == len(f2p) and gold.p2p_passed == len(p2p)
+
+
+async def test_a_listed_test_file_missing_at_base_and_not_added_is_a_broken_task(local_backend, calc_task):
+    task = calc_task.model_copy(update={"FAIL_TO_PASS": ("test_gone.py::test_x",)})
+    sb = await _at_base(local_backend, task)
+    await sb.write_file("test_gone.py", b"def test_x():\n    pass\n")  # the policy cannot supply it
+    with pytest.raises(errors.BrokenTaskError, match="test_gone.py"):
         await grade(sb, task, timeout=120)

@@ -50,6 +50,39 @@ async def test_unknown_image_task_is_rejected_and_reported(test_images_root, cal
     assert report.rejected[0].task_id == "ghost-1" and "build-pack" in report.rejected[0].reason
 
 
+async def test_a_broken_task_is_rejected_with_the_graders_reason_and_the_batch_goes_on(
+        test_images_root, calc_task, tmp_path):
+    bad = "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-x\n+y\n"
+    broken = calc_task.model_copy(update={"instance_id": "calc__broken-1", "test_patch": bad})
+    results = tmp_path / "rollouts.jsonl"
+    report = await run_batch([broken, calc_task], [OraclePolicy()], LocalBackend(test_images_root),
+                             rollouts_per_task=2, concurrency=1, results_path=results)
+    scored = [r for r in report.rollouts if r.reward is not None and r.task_id == "calc__broken-1"]
+    assert scored == [], "a broken task must never be scored"
+    assert [r.task_id for r in report.rejected] == ["calc__broken-1"]
+    assert "test_patch does not apply to base" in report.rejected[0].reason
+    assert sorted(r.reward for r in report.rollouts if r.task_id == calc_task.instance_id) == [1.0, 1.0]
+
+
+async def test_a_policy_that_breaks_grading_is_task_failed_with_the_graders_error(
+        test_images_root, calc_task, tmp_path):
+    from sandpool.envs.policies import Policy
+
+    class DestroyRepo(Policy):
+        name = "destroy"
+
+        async def act(self, sandbox, task):
+            await sandbox.exec("rm -rf .git", timeout=30)
+
+    results = tmp_path / "rollouts.jsonl"
+    report = await run_batch([calc_task], [DestroyRepo()], LocalBackend(test_images_root),
+                             rollouts_per_task=1, concurrency=1, results_path=results)
+    [r] = report.rollouts
+    assert (r.outcome, r.reward) == (Outcome.TASK_FAILED, 0.0)
+    assert r.error and "restoring test files failed" in r.error
+    assert json.loads(results.read_text())["error"] == r.error
+
+
 def test_malformed_rows_name_the_row_and_field(tmp_path, calc_task):
     good = calc_task.model_dump(mode="json")
     rows = [good, {**good, "instance_id": "b", "base_commit": "HEAD"}, {**good, "instance_id": "c"}]

@@ -1,31 +1,42 @@
-"""SWE-bench style grading: run a task's tests in its sandbox and score the result.
+"""Grading: run a task's tests in its sandbox as the task's own harness does, and score them.
 
-The reward is SWE-bench's "resolved": 1.0 only if every ``FAIL_TO_PASS`` and every
-``PASS_TO_PASS`` test passed, else 0.0. Before the tests run, the test files they live in (and
-every ``conftest.py``) are restored from the task's ``base_commit``, so a policy cannot pass by
-editing tests; then the task's ``test_patch`` is applied.
+The reward is the harness's "resolved" (1.0 or 0.0). Which commands run, which files are
+reset, how the log is parsed and what counts as resolved come from the task's harness
+(:mod:`sandpool.envs.harness`: swebench 4.1.0 for SWE-bench rows, SWE-smith's and R2E-Gym's
+rules for theirs, ``pytest -rA`` for sandpool's pack). The verdict does not rest on text the
+code under test can print: for pytest a signed report is cross-checked with the log, the exit
+status and pytest's counts (:mod:`sandpool.envs.verdict`), and a disagreement scores 0 with
+its evidence. No hook, filter or config file the policy planted runs during grading.
+
+This module also holds the pytest ``-rA`` log parser of the pack's harness.
 
 Usage::
 
     result = await grade(sandbox, task, timeout=300)
-    result.reward, result.resolved, result.failed_f2p
+    result.reward, result.resolved, result.failed_f2p, result.tampering
 
 A transport failure while grading (the sandbox died, the command channel broke) raises the
-:class:`~sandpool.core.errors.InfraError` unchanged: an infra failure is never scored as 0.
+:class:`~sandpool.core.errors.InfraError` unchanged, and a task that cannot be graded as given
+raises :class:`~sandpool.core.errors.BrokenTaskError`: neither is ever scored as 0.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import re
+import secrets
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from sandpool.core import errors
 from sandpool.core.base import ExecResult
 from sandpool.core.task import Task
+from sandpool.envs.harness import TestPlan, plan_for
+from sandpool.envs.verdict import cross_check, read_signed_report, runner_check
 
 __all__ = [
     "GradeResult",
@@ -43,9 +54,6 @@ __all__ = [
 _TEST_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "240", "PYTHONHASHSEED": "0"}
 #: Cap on the captured test log; a longer log is an infra problem, not a failing test.
 _MAX_LOG_BYTES = 64 << 20
-_PATCH_PATH = "/tmp/.sandpool_test.patch"
-#: Untracked files that could change how pytest runs or reports; grading deletes them.
-_HOOK_FILES = r"\(^\|/\)\(conftest\.py\|pytest\.ini\|sitecustomize\.py\|usercustomize\.py\)$"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -187,6 +195,8 @@ class _Execs(Protocol):
     async def exec(self, cmd: str | list[str], *, timeout: float = ..., cwd: str | None = ...,
                    env: dict[str, str] | None = ..., max_output: int = ...) -> ExecResult: ...
 
+    async def read_file(self, path: str) -> bytes: ...
+
     async def write_file(self, path: str, data: bytes, *, mode: int = ...) -> None: ...
 
 
@@ -196,18 +206,23 @@ class GradeResult:
 
     Attributes:
         reward: 1.0 if resolved, else 0.0.
-        resolved: True when every FAIL_TO_PASS and PASS_TO_PASS test passed.
+        resolved: True when the harness's rule says resolved and every cross-check agreed.
         f2p_passed: Number of FAIL_TO_PASS tests that passed.
-        f2p_failed: Number of FAIL_TO_PASS tests that did not pass (failed, errored, skipped,
-            or missing from the log).
+        f2p_failed: Number of FAIL_TO_PASS tests that did not pass.
         p2p_passed: Number of PASS_TO_PASS tests that passed.
         p2p_failed: Number of PASS_TO_PASS tests that did not pass.
         failed_f2p: The FAIL_TO_PASS ids that did not pass, in task order.
         failed_p2p: The PASS_TO_PASS ids that did not pass, in task order.
         timed_out: True when the test command hit its timeout (scored 0: the policy's code
             hung, e.g. an infinite loop).
-        error: Why the tests could not be set up (test files could not be restored, or the
-            test patch did not apply), else ``None``. Such a rollout scores 0.
+        error: Why the tests could not run as the harness runs them, when the policy's state
+            is the cause (it destroyed ``.git``, the test patch does not apply to its tree);
+            scored 0. A cause in the task itself raises instead (see :func:`grade`).
+        tampering: Evidence that the policy's code forged a pass (scored 0), one sentence each.
+        neutralised: Test configuration restored or removed, and startup files deleted, before
+            the tests ran.
+        harness: Which harness graded (see :mod:`sandpool.envs.harness`).
+        exit_code: The test command's exit status (``None`` when it did not run).
         duration_s: Wall time of the test command inside the sandbox, in seconds.
         log: The test command's stdout and stderr, for debugging.
     """
@@ -222,37 +237,58 @@ class GradeResult:
     failed_p2p: tuple[str, ...] = ()
     timed_out: bool = False
     error: str | None = None
+    tampering: tuple[str, ...] = ()
+    neutralised: tuple[str, ...] = ()
+    harness: str = ""
+    exit_code: int | None = None
     duration_s: float = 0.0
     log: str = ""
 
 
-def _unresolved(task: Task, *, error: str | None, log: str = "", timed_out: bool = False,
-                duration_s: float = 0.0) -> GradeResult:
+def _unresolved(task: Task, **kw: object) -> GradeResult:
     return GradeResult(
         reward=0.0, resolved=False,
         f2p_passed=0, f2p_failed=len(task.FAIL_TO_PASS),
         p2p_passed=0, p2p_failed=len(task.PASS_TO_PASS),
-        failed_f2p=tuple(task.FAIL_TO_PASS), failed_p2p=tuple(task.PASS_TO_PASS),
-        timed_out=timed_out, error=error, duration_s=duration_s, log=log,
+        failed_f2p=tuple(task.FAIL_TO_PASS), failed_p2p=tuple(task.PASS_TO_PASS), **kw,  # type: ignore[arg-type]
     )
 
 
-async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> GradeResult:
-    """Grade the current state of ``sandbox`` against ``task``, as SWE-bench does.
+_SIDE = Path(__file__).with_name("sandbox_side")
+#: The interpreter grading's helper runs with: the SWE-bench env's, else the image's python.
+_FIND_PYTHON = ('for p in /opt/miniconda3/envs/testbed/bin/python "$(command -v python3)" '
+                '"$(command -v python)"; do [ -x "$p" ] && PY="$p" && break; done; ')
+_ACTIVATE = ("if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate "
+             "&& conda activate testbed; fi")
 
-    Steps, all in ``task.workdir``: restore the files holding the FAIL_TO_PASS/PASS_TO_PASS
-    tests, and every ``conftest.py``, from ``task.base_commit`` (``git checkout <base> --
-    <files>``); delete untracked ``conftest.py``, ``pytest.ini``, ``sitecustomize.py`` and
-    ``usercustomize.py`` files (hooks that could rewrite test outcomes); apply
-    ``task.test_patch`` if it is not empty (``git apply``); run
-    :func:`pytest_command` on those files; parse the log with :func:`parse_test_log`. A test
-    counts as passed only with status ``PASSED`` or ``XFAIL``; a missing, skipped or errored
-    test counts as failed.
+
+async def _kill_strays(sandbox: _Execs) -> None:
+    # A process the policy left running could race grading (read the key file, rewrite
+    # restored files); the sandbox's agent kills every other process first.
+    target = getattr(sandbox, "sandbox", sandbox)
+    kill = getattr(target, "kill_strays", None)
+    if kill is not None:
+        await kill()
+
+
+async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> GradeResult:
+    """Grade the current state of ``sandbox`` against ``task`` as the task's harness does.
+
+    Steps: kill the policy's leftover processes; run ``sandbox_side/prepare.py`` (restore
+    the harness's reset files and all test configuration from ``base_commit`` through a
+    private git directory, so no planted hook, filter or config runs; delete test
+    configuration the base does not have; check the test patch applies to the pristine base,
+    then apply it; neutralise startup files changed in a writable Python environment); run
+    the harness's test command (:func:`sandpool.envs.harness.plan_for`) with the signed
+    verdict plugin loaded for pytest; score the log with the harness's parser and rule, and
+    cross-check it (:mod:`sandpool.envs.verdict`). Where the policy broke grading itself
+    (its tree rejects the test patch, it deleted ``.git``) the rollout scores 0 with
+    ``error`` set, as the SWE-bench harness scores a run whose eval script failed.
 
     Args:
-        sandbox: Anything with the sandbox ``exec``/``write_file`` methods (a
+        sandbox: Anything with the sandbox ``exec``/``read_file``/``write_file`` methods (a
             :class:`~sandpool.core.base.Sandbox` or a pool lease).
-        task: The task; its FAIL_TO_PASS/PASS_TO_PASS must be non-empty together.
+        task: The task.
         timeout: Seconds the test command may run; on expiry the rollout scores 0 with
             ``timed_out`` set.
 
@@ -260,65 +296,107 @@ async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> Grade
         The :class:`GradeResult`.
 
     Raises:
-        TaskValidationError: The task lists no FAIL_TO_PASS and no PASS_TO_PASS test.
+        BrokenTaskError: The task cannot be graded as given, shown on its pristine tree: no
+            test command, no tests listed, or the test patch does not apply to base_commit.
         InfraError: The sandbox died or the command channel failed (never scored), or the
             test log was too long to capture whole.
     """
+    plan = plan_for(task)
+    await _kill_strays(sandbox)
     f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
-    if not f2p and not p2p:
-        raise errors.TaskValidationError(
-            f"task {task.instance_id}: FAIL_TO_PASS and PASS_TO_PASS are both empty; "
-            "list the test ids that decide the task", field="FAIL_TO_PASS",
-        )
-    files = files_of_tests(f2p + p2p)
-    wd, base = task.workdir, task.base_commit
-    quoted = " ".join(shlex.quote(f) for f in files)
-    restore = (
-        f"git checkout -q {base} -- {quoted} && "
-        f"git ls-tree -r --name-only -z {base} | grep -z '\\(^\\|/\\)conftest\\.py$' "
-        f"| xargs -0 -r git checkout -q {base} -- && "
-        f"git ls-files -z --others | grep -z '{_HOOK_FILES}' | xargs -0 -r rm -f --"
-    )
-    res = await sandbox.exec(restore, timeout=120.0, cwd=wd)
-    if not res.ok:
-        return _unresolved(task, error=f"restoring test files from {base[:12]} failed: "
-                           f"{(res.err_text or res.text).strip()[-500:]}")
-    if task.test_patch:
-        await sandbox.write_file(_PATCH_PATH, task.test_patch.encode())
-        res = await sandbox.exec(f"git apply {_PATCH_PATH}", timeout=120.0, cwd=wd)
-        if not res.ok:
-            why = res.err_text.strip()[-500:]
-            return _unresolved(task, error=f"test_patch did not apply: {why}")
+    wd = task.workdir
+    d = f"/tmp/.sandpool-grade-{secrets.token_hex(8)}"
+    module = f"_sandpool_verdict_{secrets.token_hex(8)}"
+    key = secrets.token_bytes(32)
+    job = {"workdir": wd, "base": task.base_commit, "git_dir": f"{d}/git",
+           "restore": list(plan.restore), "required": list(plan.required), "test_patch": f"{d}/test.patch" if plan.test_patch else None}
+    await sandbox.write_file(f"{d}/prepare.py", (_SIDE / "prepare.py").read_bytes(), mode=0o444)
+    await sandbox.write_file(f"{d}/job.json", json.dumps(job).encode())
+    if plan.test_patch:
+        await sandbox.write_file(f"{d}/test.patch", plan.test_patch.encode())
+    try:
+        res = await sandbox.exec(f"{_FIND_PYTHON}cd {shlex.quote(wd)} && \"$PY\" -I -S {d}/prepare.py {d}/job.json",
+                                 timeout=300.0, cwd=wd)
+        try:
+            prep = json.loads(res.text.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return _unresolved(task, harness=plan.harness, error=(
+                f"restoring test files failed (exit {res.exit_code}): "
+                f"{(res.err_text or res.text).strip()[-500:]}"))
+        neutral = tuple([f"restored {p}" for p in prep["restored"]] + [f"removed {p}" for p in prep["removed"]]
+                        + [f"neutralised {p}" for p in prep["neutralised"]])
+        if prep["broken"]:
+            raise errors.BrokenTaskError(f"task {task.instance_id}: {prep['broken']}", task_id=task.instance_id)
+        if prep["policy_error"]:
+            altered = "altered" in prep["policy_error"]  # objects that do not hash to their ids
+            return _unresolved(task, harness=plan.harness, error=prep["policy_error"], neutralised=neutral,
+                               tampering=(prep["policy_error"],) if altered else ())
+        if prep["apply_failed"]:
+            return _unresolved(task, harness=plan.harness, neutralised=neutral,
+                               error=f"test_patch did not apply to the policy's tree: {prep['apply_failed']}")
+        if plan.pytest:
+            await sandbox.write_file(f"{d}/{module}.py", (_SIDE / "verdict_plugin.py").read_bytes(), mode=0o444)
+            await sandbox.write_file(f"{d}/key", key, mode=0o600)
+        script = _test_script(plan, wd, d, module)
+        res = await sandbox.exec(script, timeout=timeout, cwd=wd, env=pytest_env(), max_output=_MAX_LOG_BYTES)
+        log = res.text + ("\n" + res.err_text if res.stderr else "")
+        if res.stdout_truncated or res.stderr_truncated:
+            raise errors.ExecTransportError(
+                f"task {task.instance_id}: the test log exceeded {_MAX_LOG_BYTES} bytes and was cut, "
+                "so it cannot be graded")
+        report = None
+        if plan.pytest:
+            try:
+                report = await sandbox.read_file(f"{d}/report.jsonl")
+            except FileNotFoundError:
+                report = None
+    finally:
+        await sandbox.exec(f"rm -rf {d}", timeout=60.0)
+    return _score(task, plan, res, log, report, key, neutral, list(prep["suspicious"]))
 
-    res = await sandbox.exec(pytest_command(files), timeout=timeout, cwd=wd, env=pytest_env(),
-                             max_output=_MAX_LOG_BYTES)
-    log = res.text + ("\n" + res.err_text if res.stderr else "")
-    if res.stdout_truncated:
-        raise errors.ExecTransportError(
-            f"task {task.instance_id}: the test log exceeded {_MAX_LOG_BYTES} bytes and was cut, "
-            "so it cannot be graded"
-        )
+
+def _test_script(plan: TestPlan, wd: str, d: str, module: str) -> str:
+    lines = [f"cd {shlex.quote(wd)}", _ACTIVATE, *plan.prelude, "unset PYTEST_PLUGINS PYTEST_ADDOPTS",
+             "export PYTHONNOUSERSITE=1"]
+    if plan.pytest:
+        lines += [f"export PYTHONPATH={d}${{PYTHONPATH:+:$PYTHONPATH}}",
+                  f"export PYTEST_ADDOPTS='-p {module}'",
+                  f"export SANDPOOL_VERDICT={d}/key:{d}/report.jsonl"]
+    return "\n".join([*lines, plan.command]) + "\n"
+
+
+def _score(task: Task, plan: TestPlan, res: ExecResult, log: str, report: bytes | None, key: bytes,
+           neutral: tuple[str, ...], suspicious: list[str]) -> GradeResult:
+    f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
+    common = {"harness": plan.harness, "neutralised": neutral, "exit_code": res.exit_code,
+              "duration_s": res.duration_s, "log": log}
     if res.timed_out:
-        return _unresolved(task, error=None, log=log, timed_out=True, duration_s=res.duration_s)
-
-    status = parse_test_log(res.text)
-
-    def ok(tid: str) -> bool:
-        s = status.get(tid)
-        return s is not None and s.passed
-
-    failed_f2p = tuple(t for t in f2p if not ok(t))
-    failed_p2p = tuple(t for t in p2p if not ok(t))
-    resolved = not failed_f2p and not failed_p2p
+        return _unresolved(task, timed_out=True, **common)
+    status = plan.parse(log)
+    resolved, failed_f2p, failed_p2p = plan.score(status)
+    evidence = list(suspicious)
+    if plan.pytest:
+        rep = read_signed_report(report, key)
+        evidence += cross_check(rep, log=log, log_status=status, exit_code=res.exit_code,
+                                tests=f2p + p2p, id_of=plan.id_of)
+        if rep.sealed:
+            # The harness's rule must also hold on the signed report's outcomes.
+            by_id: dict[str, str] = {}
+            for nodeid, st in rep.statuses.items():
+                by_id[plan.id_of(nodeid)] = st
+            ok, rep_f2p, rep_p2p = plan.score(by_id)
+            if resolved and not ok:
+                resolved, failed_f2p, failed_p2p = False, rep_f2p, rep_p2p
+        elif resolved:  # pytest did not finish: nothing it reported can resolve the task
+            resolved, failed_f2p, failed_p2p = False, f2p, p2p
+    else:
+        evidence += runner_check(log, res.exit_code, resolved_by_log=resolved)
+    if evidence:
+        return _unresolved(task, tampering=tuple(evidence), **common)
     return GradeResult(
-        reward=1.0 if resolved else 0.0,
-        resolved=resolved,
-        f2p_passed=len(f2p) - len(failed_f2p),
-        f2p_failed=len(failed_f2p),
-        p2p_passed=len(p2p) - len(failed_p2p),
-        p2p_failed=len(failed_p2p),
-        failed_f2p=failed_f2p,
-        failed_p2p=failed_p2p,
-        duration_s=res.duration_s,
-        log=log,
+        reward=1.0 if resolved else 0.0, resolved=resolved,
+        # R2E-Gym compares whole maps: its "failed" lists hold mismatched keys, not listed ids.
+        f2p_passed=max(0, len(f2p) - len(failed_f2p)), f2p_failed=len(failed_f2p),
+        p2p_passed=max(0, len(p2p) - len(failed_p2p)), p2p_failed=len(failed_p2p),
+        failed_f2p=failed_f2p, failed_p2p=failed_p2p, **common,
     )

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from sandpool.core import errors
 from sandpool.core.base import Backend
 from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RejectedTask, Report, RolloutResult, Workload
@@ -155,7 +156,13 @@ async def run_batch(
             def episode_for(task: Task, policy: Policy):
                 async def episode(lease: Lease) -> float:
                     await policy.act(lease, task)
-                    return (await grade(lease, task, timeout=grade_timeout)).reward
+                    result = await grade(lease, task, timeout=grade_timeout)
+                    # Scored 0 either way, but the reason is kept in rollouts.jsonl.
+                    if result.tampering:
+                        raise errors.TamperingSuspected("suspected tampering", evidence=result.tampering)
+                    if result.error:
+                        raise errors.TaskError(f"grading: {result.error}")
+                    return result.reward
                 return episode
 
             async def lane(queue: deque[tuple[Task, int]]) -> None:

@@ -1,0 +1,115 @@
+"""pytest plugin the grader loads inside the sandbox: a signed per-test report.
+
+This file is not imported by sandpool. The grader copies it into a fresh directory under
+``/tmp`` with a random module name, and loads it with ``PYTEST_ADDOPTS=-p <name>`` so pytest
+imports it before any conftest.py or the code under test. It must run on every Python and
+pytest a SWE image may carry (Python >= 3.6, pytest >= 3), so it uses no newer syntax.
+
+At import it takes ``SANDPOOL_VERDICT`` (``<key file>:<report file>``) out of the environment,
+reads the per-run secret key from the key file and unlinks it, keeps the key only inside an
+HMAC object, and opens the report file (it must not exist yet). Each event is one JSON line;
+the closing line carries the HMAC-SHA256 of every byte before it. Code under test that only
+prints text, exits early (``os._exit``) or writes a report of its own cannot produce a closing
+line that verifies. Code that deliberately walks the interpreter's objects to reach the HMAC
+state could; the integrity check below (pytest's own report machinery unchanged at the end of
+the session) and the grader's cross-checks against the log and the exit status remain.
+"""
+
+import hashlib
+import hmac
+import json
+import os
+import sys
+
+
+def _open():
+    spec = os.environ.pop("SANDPOOL_VERDICT", None)
+    if not spec:
+        return None
+    key_path, report_path = spec.split(":", 1)
+    with open(key_path, "rb") as f:
+        key = f.read()
+    os.unlink(key_path)
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    del key
+    fd = os.open(report_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+    return [mac, fd, None]  # None: the Config this report belongs to, set at configure
+
+
+_STATE = _open()
+
+
+def _watched():
+    # pytest's report machinery, as it is before the code under test is imported.
+    out = []
+    try:
+        import _pytest.runner as runner
+        import _pytest.reports as reports
+    except ImportError:
+        return out
+    for owner, name in ((runner, "call_and_report"), (runner, "runtestprotocol"),
+                        (runner, "pytest_runtest_makereport"), (runner, "call_runtest_hook"),
+                        (reports.TestReport, "from_item_and_call"),
+                        (reports.TestReport, "__init__"), (reports.BaseReport, "passed"),
+                        (reports.BaseReport, "failed")):
+        where = owner.__dict__ if isinstance(owner, type) else vars(owner)
+        if name in where:
+            out.append((owner, name, where[name]))
+    return out
+
+
+_WATCHED = _watched()
+
+
+def _emit(record):
+    if _STATE is None or _STATE[2] is False:
+        return
+    line = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+    _STATE[0].update(line)
+    os.write(_STATE[1], line)
+
+
+def _ours(config):
+    return _STATE is not None and _STATE[2] is config
+
+
+def pytest_configure(config):
+    if _STATE is not None and _STATE[2] is None:
+        _STATE[2] = config
+        import pytest
+        _emit({"ev": "start", "pid": os.getpid(), "pytest": getattr(pytest, "__version__", "?"),
+               "python": sys.version.split()[0]})
+
+
+def pytest_collectreport(report):
+    if _STATE is not None and _STATE[2] and report.failed:
+        _emit({"ev": "collect_error", "nodeid": report.nodeid})
+
+
+def pytest_collection_finish(session):
+    if _ours(session.config):
+        _emit({"ev": "collected", "n": len(session.items),
+               "ids": [item.nodeid for item in session.items]})
+
+
+def pytest_runtest_logreport(report):
+    if _STATE is None or not _STATE[2]:
+        return
+    _emit({"ev": "test", "nodeid": report.nodeid, "when": report.when,
+           "outcome": report.outcome, "xfail": hasattr(report, "wasxfail"),
+           "longrepr": report.longrepr is not None})
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if not _ours(session.config):
+        return
+    changed = []
+    for owner, name, original in _WATCHED:
+        where = owner.__dict__ if isinstance(owner, type) else vars(owner)
+        if where.get(name) is not original:
+            changed.append("%s.%s" % (getattr(owner, "__name__", owner), name))
+    _emit({"ev": "finish", "exitstatus": int(exitstatus), "changed": changed})
+    digest = _STATE[0].hexdigest()
+    os.write(_STATE[1], (json.dumps({"ev": "end", "mac": digest}) + "\n").encode("utf-8"))
+    os.close(_STATE[1])
+    _STATE[2] = False  # nothing more is written once the report is sealed
