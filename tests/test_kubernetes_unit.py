@@ -306,3 +306,34 @@ async def test_a_refused_connection_becomes_api_error_after_retries():
             await http.request("GET", "/version")
     finally:
         await client.close()
+
+
+async def test_agent_client_matches_answers_split_across_frames_and_fails_pending_calls():
+    from sandpool.core.backends._agent_client import AgentClient
+
+    sent: list[bytes] = []
+
+    async def send(data: bytes) -> None:
+        sent.append(data)
+
+    c = AgentClient("sb", send)
+    c.feed(b'{"id": 0, "ready": true}\n')
+    assert (await c.ready(1))["ready"]
+    call = asyncio.create_task(c.exec("echo hi", timeout=5, cwd="/testbed", env={}, max_output=9))
+    await asyncio.sleep(0)
+    req = json.loads(sent[0])
+    assert (req["op"], req["cmd"], req["cwd"], req["max_output"]) == ("exec", "echo hi", "/testbed", 9)
+    answer = json.dumps({"id": req["id"], "exit_code": 3, "stdout": "aGkK", "stderr": "",
+                         "stdout_truncated": False, "stderr_truncated": False,
+                         "timed_out": False, "duration_s": 0.1}).encode() + b"\n"
+    c.feed(answer[:7])  # a stream splits lines anywhere
+    c.feed(answer[7:])
+    res = await call
+    assert (res.exit_code, res.stdout) == (3, b"hi\n")
+    pending = asyncio.create_task(c.processes())
+    await asyncio.sleep(0)
+    c.feed(b"not json\n")
+    with pytest.raises(errors.ExecTransportError, match="garbled"):
+        await pending
+    with pytest.raises(errors.ExecTransportError, match="garbled"):
+        await c.kill_strays()  # the channel stays failed

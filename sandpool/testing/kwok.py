@@ -20,24 +20,37 @@ from sandpool.core.backends.kubernetes._manifests import HOST_WORKDIR, PodImage
 
 __all__ = ["SETUP", "exec_prefix", "local_pack_image_map"]
 
-#: $1 pod workdir (host path)  $2 image workdir  $3 pod tmp dir; the rest is the command.
-#: Exit 125 with a ``sandpool: `` line when the view cannot be set up (the exec channel
-#: reports it as a transport error).
+#: $1 pod workdir (host path)  $2 image workdir  $3 pod tmp dir  $4 "session" or "exec"; the
+#: rest is the command. Exit 125 with a ``sandpool: `` line when the view cannot be set up
+#: (the exec channel reports it as a transport error). A session runs as the init of its
+#: own pid namespace: it reaps what the agent's commands leave, and when the agent ends every
+#: process of the namespace dies with it.
 SETUP = r"""
 { [ -d "$2" ] || mkdir -p "$2"; } && { [ -d "$3" ] || mkdir -p "$3"; } \
   && mount --bind "$1" "$2" && mount --bind "$3" /tmp \
   || { echo "sandpool: cannot set up the pod's filesystem view" >&2; exit 125; }
-shift 3
-exec "$@"
+mode=$4; shift 4
+[ "$mode" = session ] || exec "$@"
+exec 3<&0
+"$@" 0<&3 3<&- &
+wait $!
 """
 
 
-def exec_prefix(pod: Mapping[str, Any], workdir: str) -> list[str]:
+def exec_prefix(pod: Mapping[str, Any], workdir: str, session: bool = False) -> list[str]:
     """The argv prefix confining an exec into kwok pod ``pod`` whose image workdir is ``workdir``.
 
+    Args:
+        pod: The Ready pod object (its ``sandpool.io/workdir`` annotation).
+        workdir: The image workdir the pod's directory is mounted at.
+        session: True for the long-lived agent session: it also gets its own pid namespace
+            (and ``/proc``), so the agent's process listing and kills see only the pod's
+            processes, never the host's. Per-command execs stay in the host's pid
+            namespace, where the exec wrapper finds a sandbox's processes by its marker.
+
     Returns:
-        ``unshare --mount ... /bin/sh -c SETUP sandpool-kwok <host wd> <workdir> <host tmp>``;
-        the exec's own argv follows it.
+        ``unshare --mount ... /bin/sh -c SETUP sandpool-kwok <host wd> <workdir> <host tmp>
+        <mode>``; the exec's own argv follows it.
 
     Raises:
         KeyError: The pod has no ``sandpool.io/workdir`` annotation (it is not a kwok pod
@@ -47,11 +60,13 @@ def exec_prefix(pod: Mapping[str, Any], workdir: str) -> list[str]:
     host_wd = ann.get(HOST_WORKDIR)
     if not host_wd:
         raise KeyError(f"the pod has no {HOST_WORKDIR} annotation (not a kwok test-cluster pod)")
+    ns = ["--pid", "--fork", "--mount-proc"] if session else []
     return [
         "unshare",
         "--mount",
         "--propagation",
         "private",
+        *ns,
         "--",
         "/bin/sh",
         "-c",
@@ -61,6 +76,7 @@ def exec_prefix(pod: Mapping[str, Any], workdir: str) -> list[str]:
         workdir,
         # Inside .git: git never sees it, and it is removed with the pod's workdir.
         f"{host_wd}/.git/sandpool-tmp",
+        "session" if session else "exec",
     ]
 
 

@@ -13,6 +13,7 @@ event-loop scoping for a session fixture) and has the ``stream`` helper for pod 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -145,8 +146,10 @@ def cluster() -> Iterator[ClusterInfo]:
 @pytest.fixture
 def namespace(cluster: ClusterInfo, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace per test, labelled with the run id; deleted afterwards."""
-    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
-    name = f"t-{RUN_ID}-{slug}"
+    slug = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:32].strip("-")
+    # A digest of the full name keeps parametrized variants (same prefix) apart.
+    digest = hashlib.sha256(request.node.name.encode()).hexdigest()[:6]
+    name = f"t-{RUN_ID}-{slug}-{digest}"
     core = cluster.core
     core.create_namespace(
         client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={RUN_ID_LABEL: RUN_ID}))

@@ -117,9 +117,15 @@ async def test_warm_pool_fills_to_the_strategy_target(cluster, namespace, repo):
         assert len(pods_of(cluster, namespace, be.run_id)) == 3
 
 
-async def test_claim_binds_a_warm_sandbox_and_exec_reports_exit_codes(cluster, namespace, repo):
+CHANNELS = pytest.mark.parametrize("channel", ["agent", "exec"])
+
+
+@CHANNELS
+async def test_claim_binds_a_warm_sandbox_and_exec_reports_exit_codes(
+    cluster, namespace, repo, channel
+):
     path, first, _ = repo
-    be = backend(cluster, namespace, path)
+    be = backend(cluster, namespace, path, agent=channel == "agent")
     task = make_task("sandpool.test/calc:1", first)
     async with SandboxPool(be, "warm") as pool:
         await pool.prepare([task], concurrency=2)
@@ -127,6 +133,7 @@ async def test_claim_binds_a_warm_sandbox_and_exec_reports_exit_codes(cluster, n
         async with pool.claim(task) as lease:
             sb = lease.sandbox
             assert sb.claim is not None and sb.pod in warm  # adopted from the warm pool
+            assert sb.channel == channel
             res = await lease.exec("echo out; echo err >&2; exit 3")
             assert (res.exit_code, res.stdout, res.stderr) == (3, b"out\n", b"err\n")
             assert sb.protocol == "v5.channel.k8s.io"
@@ -136,9 +143,10 @@ async def test_claim_binds_a_warm_sandbox_and_exec_reports_exit_codes(cluster, n
             assert res.exit_code == 137 and not res.timed_out
 
 
-async def test_exec_timeout_output_cap_and_binary_files(cluster, namespace, repo):
+@CHANNELS
+async def test_exec_timeout_output_cap_and_binary_files(cluster, namespace, repo, channel):
     path, first, _ = repo
-    be = backend(cluster, namespace, path, mode="pods")
+    be = backend(cluster, namespace, path, mode="pods", agent=channel == "agent")
     async with SandboxPool(be, "cold") as pool:
         async with pool.claim(make_task("sandpool.test/calc:1", first)) as lease:
             t0 = time.monotonic()
@@ -155,6 +163,41 @@ async def test_exec_timeout_output_cap_and_binary_files(cluster, namespace, repo
             assert await lease.read_file("/testbed/sub/empty") == b""
             with pytest.raises(FileNotFoundError):
                 await lease.read_file("/tmp/absent")
+            assert lease.sandbox.channel == channel
+
+
+async def test_agent_session_carries_every_command_of_a_sandbox_over_one_exec_stream(
+    cluster, namespace, repo
+):
+    path, first, _ = repo
+    be = backend(cluster, namespace, path, mode="pods")
+    async with SandboxPool(be, "cold") as pool:
+        async with pool.claim(make_task("sandpool.test/calc:1", first)) as lease:
+            streams = be.api_stats["execs"]
+            results = await asyncio.gather(*(lease.exec(f"echo {i}") for i in range(50)))
+            assert [r.text for r in results] == [f"{i}\n" for i in range(50)]
+            await lease.write_file("f.txt", b"x")
+            assert await lease.read_file("f.txt") == b"x"
+            await lease.exec("sleep 300 &")
+            assert await lease.sandbox.processes() == ["sleep 300"]  # the pod's, not the host's
+            assert await lease.sandbox.kill_strays() == 1
+            assert be.api_stats["execs"] == streams == 1  # the session's one stream, nothing else
+
+
+async def test_image_without_the_agents_interpreter_falls_back_to_one_exec_per_command(
+    cluster, namespace, repo, caplog
+):
+    path, first, _ = repo
+    be = backend(cluster, namespace, path, mode="pods", agent_python="no-such-python3")
+    async with SandboxPool(be, "cold") as pool:
+        for _ in range(2):
+            async with pool.claim(make_task("sandpool.test/calc:1", first)) as lease:
+                assert lease.sandbox.channel == "exec"
+                res = await lease.exec("echo out; exit 4")
+                assert (res.exit_code, res.stdout) == (4, b"out\n")
+    assert be.api_stats["agent_fallbacks"] == 1  # tried once per image, then not again
+    (warning,) = [r for r in caplog.records if "fall back to one pod exec" in r.getMessage()]
+    assert "sandpool.test/calc:1" in warning.getMessage()
 
 
 async def test_reuse_resets_in_the_pod_and_keeps_the_claim(cluster, namespace, repo, tmp_path):

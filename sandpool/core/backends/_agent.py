@@ -183,6 +183,8 @@ def _exec(req):
     env.update(req.get("env") or {})
     marker = f"SANDPOOL_EXEC={_SELF}.{req.get('id')}"
     env["SANDPOOL_EXEC"] = marker.split("=", 1)[1]
+    if req.get("cwd"):  # the agent's own PWD would name its directory, not the command's
+        env["PWD"] = req["cwd"]
     t0 = time.monotonic()
     rid = req.get("id")
     try:

@@ -113,6 +113,7 @@ class ExecTarget:
         workdir: The repo path as commands see it (``/testbed``).
         prefix: Argv put before every exec's own (e.g. a confinement wrapper that ends in
             ``exec "$@"``); empty on a real cluster.
+        session_prefix: The same for the long-lived agent session (:mod:`._session`).
     """
 
     namespace: str
@@ -121,6 +122,7 @@ class ExecTarget:
     sandbox_id: str
     workdir: str
     prefix: tuple[str, ...] = ()
+    session_prefix: tuple[str, ...] = ()
 
 
 def parse_status(raw: bytes | None) -> tuple[int | None, str]:

@@ -17,6 +17,7 @@ from sandpool.core.backends.kubernetes import _manifests as m
 from sandpool.core.backends.kubernetes._exec import ExecTarget
 from sandpool.core.backends.kubernetes._manifests import ns_path
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
+from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
 
 if TYPE_CHECKING:
     from sandpool.core.backends.kubernetes.backend import KubernetesBackend
@@ -141,7 +142,10 @@ class PodsMixin:
             ) from None
         pi = self.pod_image(image)
         try:
-            prefix = tuple(self.exec_prefix(pod, pi.workdir)) if self.exec_prefix else ()
+            prefix = tuple(self.exec_prefix(pod, pi.workdir, False)) if self.exec_prefix else ()
+            session_prefix = (
+                tuple(self.exec_prefix(pod, pi.workdir, True)) if self.exec_prefix else ()
+            )
         except (KeyError, ValueError) as exc:
             raise errors.SandboxStartError(f"pod {pod_name}: exec_prefix: {exc}") from None
         target = ExecTarget(
@@ -151,6 +155,7 @@ class PodsMixin:
             sandbox_id=f"{self.run_id}-{sid}",
             workdir=pi.workdir,
             prefix=prefix,
+            session_prefix=session_prefix,
         )
         sb = KubernetesSandbox(
             self, target.sandbox_id, image, target, pod["metadata"]["uid"], claim
@@ -160,7 +165,30 @@ class PodsMixin:
         self._by_pod[pod_name] = sb
         if why := pod_death(self._pods.get(pod_name), sb.pod_uid):
             sb._mark_dead(why)
+        elif self.agent and image not in self._agent_unavailable:
+            await self._open_session(sb)
         return sb
+
+    async def _open_session(self: KubernetesBackend, sb: KubernetesSandbox) -> None:
+        """Start ``sb``'s agent session; on failure fall back to one exec per command (logged
+        once per image, counted in ``api_stats["agent_fallbacks"]``)."""
+        session = AgentSession(self._http, sb._target, sb.id, self.agent_python)
+        try:
+            await session.start(self.agent_timeout)
+        except AgentUnavailable as exc:
+            if sb._dead is not None:
+                raise sb._died() from None
+            self._agent_unavailable[sb.image] = str(exc)
+            self.agent_fallbacks += 1
+            log.warning(
+                "image %s: sandpool's agent cannot run in its pods (%s); its sandboxes fall "
+                "back to one pod exec per command (each command opens an API-server stream)",
+                sb.image,
+                exc,
+            )
+            return
+        sb._session = session
+        sb.protocol = session.protocol
 
     async def _delete_object(self: KubernetesBackend, resource: str, name: str) -> None:
         http = await self._ensure_client()

@@ -1,7 +1,9 @@
 """The sandbox side of the Kubernetes backend: one pod spoken to over exec.
 
 :class:`KubernetesSandbox` runs commands, file reads and writes and process listing through
-the exec channel of :mod:`._exec`; its death is set by the backend's shared pod watch.
+its agent session (:mod:`._session`: one exec stream for the sandbox's lifetime, the local
+backend's agent), or, where the agent cannot run, through one pod exec per command
+(:mod:`._exec`). Its death is set by the backend's shared pod watch.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes._exec import PROCS, ExecTarget, build_argv, run_exec
+from sandpool.core.backends.kubernetes._session import AgentSession
 from sandpool.core.base import ExecResult, Sandbox
 
 if TYPE_CHECKING:
@@ -34,6 +37,7 @@ class KubernetesSandbox(Sandbox):
             a different sandbox: this one counts as dead).
         claim: The SandboxClaim name (agent-sandbox mode), else None.
         protocol: The exec channel protocol last negotiated (``v5.channel.k8s.io``...).
+        channel: ``"agent"`` (one long-lived exec stream) or ``"exec"`` (one per command).
     """
 
     def __init__(
@@ -56,6 +60,32 @@ class KubernetesSandbox(Sandbox):
         self._target = target
         self._seq = itertools.count(1)
         self._dead: str | None = None
+        self._session: AgentSession | None = None
+
+    @property
+    def channel(self) -> str:
+        """``"agent"`` when commands go over the agent session, else ``"exec"``."""
+        return "agent" if self._session is not None else "exec"
+
+    async def _close_session(self) -> None:
+        if self._session is not None:
+            await self._session.aclose()
+
+    async def _agent(self, op: str, *args: object, **kw: object) -> object:
+        """Call ``op`` on the agent client; a channel that ended because the pod went away
+        raises ``SandboxDied``."""
+        if self._dead is not None:
+            raise self._died()
+        assert self._session is not None
+        try:
+            res = await getattr(self._session.client, op)(*args, **kw)
+        except (errors.ExecTransportError, errors.SandboxDied):
+            if self._dead is not None:
+                raise self._died() from None
+            raise
+        if self._dead is not None:  # the pod died while the request ran: its answer is void
+            raise self._died()
+        return res
 
     def __repr__(self) -> str:
         state = f"dead: {self._dead}" if self._dead else "alive"
@@ -120,12 +150,17 @@ class KubernetesSandbox(Sandbox):
         env: dict[str, str] | None = None,
         max_output: int = 1 << 20,
     ) -> ExecResult:
-        """Run ``cmd`` in the pod through the exec subresource; see :meth:`Sandbox.exec`.
+        """Run ``cmd`` in the pod (agent session, else one exec); see :meth:`Sandbox.exec`.
 
         Raises:
             SandboxDied: The pod was deleted, evicted, OOM-killed or replaced.
             ExecTransportError: The WebSocket failed or ended without an exit status.
         """
+        if self._session is not None:
+            return await self._agent(  # type: ignore[return-value]
+                "exec", cmd, timeout=timeout, cwd=self._abs(cwd or self.workdir),
+                env=env or {}, max_output=max_output,
+            )
         return (await self._run(cmd, timeout=timeout, cwd=cwd, env=env, max_output=max_output))[0]
 
     async def read_file(self, path: str) -> bytes:
@@ -135,6 +170,8 @@ class KubernetesSandbox(Sandbox):
             FileNotFoundError: No such regular file in the pod.
             SandboxDied, ExecTransportError: As :meth:`exec`.
         """
+        if self._session is not None:
+            return await self._agent("read_file", self._abs(path), path)  # type: ignore[return-value]
         res = await self.exec(
             ["/bin/sh", "-c", '[ -f "$1" ] || exit 44; exec cat -- "$1"', "sh", self._abs(path)],
             timeout=120.0,
@@ -156,6 +193,9 @@ class KubernetesSandbox(Sandbox):
             SandboxDied, ExecTransportError: As :meth:`exec`; also when the pod refuses the write.
         """
         dest = self._abs(path)
+        if self._session is not None:
+            await self._agent("write_file", dest, path, data, mode)
+            return
         chunks = [data[i : i + _FILE_CHUNK] for i in range(0, len(data), _FILE_CHUNK)] or [b""]
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
@@ -188,7 +228,11 @@ class KubernetesSandbox(Sandbox):
 
         Only processes carrying this sandbox's ``SANDPOOL_SANDBOX`` marker are seen: on kwok
         the pod's exec runs on the host, and host processes are never listed or touched.
+        With the agent session: every process of the pod but its agent and init (the local
+        backend's semantics).
         """
+        if self._session is not None:
+            return await self._agent("processes")  # type: ignore[return-value]
         res = await self._run(
             ["/bin/sh", "-c", PROCS, "sh", self.id, "list"],
             timeout=30.0,
@@ -199,7 +243,10 @@ class KubernetesSandbox(Sandbox):
         return [line for line in res[0].text.splitlines() if line.strip()]
 
     async def kill_strays(self) -> int:
-        """SIGKILL every process carrying this sandbox's marker but the asking exec; return how many."""
+        """SIGKILL every process carrying this sandbox's marker but the asking exec (with the
+        agent session: every process but the agent and init); return how many."""
+        if self._session is not None:
+            return await self._agent("kill_strays")  # type: ignore[return-value]
         res = await self._run(
             ["/bin/sh", "-c", PROCS, "sh", self.id, "kill"],
             timeout=30.0,

@@ -47,11 +47,12 @@ log = logging.getLogger("sandpool.kubernetes")
 #: Maps a task's ``image`` to what its pod runs: a mapping, or a function (may raise
 #: ImageNotFound). None means ``PodImage(image)``: the task image is the container image.
 ImageMap = Mapping[str, PodImage] | Callable[[str], PodImage]
-#: ``(ready pod object, image workdir) -> argv`` put before every exec's argv in that pod
-#: (may raise KeyError/ValueError: the sandbox fails to start). Only clusters whose pod
+#: ``(ready pod object, image workdir, session) -> argv`` put before every exec's argv in that
+#: pod, ``session`` True for the agent session's one stream (may raise KeyError/ValueError:
+#: the sandbox fails to start). Only clusters whose pod
 #: exec is not a container exec need one (the kwok test cluster:
 #: :func:`sandpool.testing.kwok.exec_prefix`).
-ExecPrefix = Callable[[Mapping[str, Any], str], Sequence[str]]
+ExecPrefix = Callable[[Mapping[str, Any], str, bool], Sequence[str]]
 
 _MODES = ("agent-sandbox", "pods")
 _DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
@@ -96,6 +97,13 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         reuse_spares: With a reusing strategy, warm (unclaimed) replicas kept per image as
             spares for quarantined or dead sandboxes (each is one more pod).
         controller_timeout: Seconds preflight waits for the agent-sandbox controller to answer.
+        agent: Run sandpool's agent in each pod over one long-lived exec stream (the commands
+            of a sandbox never open API-server streams of their own; see :mod:`._session`).
+            False, or an image where the agent cannot start (no ``agent_python``; logged once
+            per image, counted in ``api_stats["agent_fallbacks"]``), uses one pod exec per
+            command (:mod:`._exec`).
+        agent_python: The interpreter command that runs the agent in the image.
+        agent_timeout: Seconds the agent may take to say it is ready before the fallback.
     """
 
     name = "kubernetes"
@@ -121,6 +129,9 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         exec_prefix: ExecPrefix | None = None,
         reuse_spares: int = 0,
         controller_timeout: float = 15.0,
+        agent: bool = True,
+        agent_python: str = "python3",
+        agent_timeout: float = 30.0,
     ) -> None:
         if mode not in _MODES:
             raise errors.ConfigError(f"mode={mode!r} is not known; use one of {list(_MODES)}")
@@ -144,6 +155,11 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         self.exec_prefix = exec_prefix
         self.reuse_spares = reuse_spares
         self.controller_timeout = controller_timeout
+        self.agent = agent
+        self.agent_python = agent_python
+        self.agent_timeout = agent_timeout
+        self.agent_fallbacks = 0
+        self._agent_unavailable: dict[str, str] = {}  # image -> why the agent cannot run
         self._http: KubeHttp | None = None  # type: ignore[assignment]
         self._client: Any = None
         self._start_lock = asyncio.Lock()
@@ -181,6 +197,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
             "writes": h.writes,
             "reads": h.reads,
             "execs": h.execs,
+            "agent_fallbacks": self.agent_fallbacks,
             "retried": h.retried,
             "inflight_peak": self.throttle.inflight_peak,
         }
@@ -320,6 +337,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         if self._by_pod.get(sandbox.pod) is sandbox:
             del self._by_pod[sandbox.pod]
         sandbox._mark_dead("deleted by sandpool")
+        await sandbox._close_session()
         if sandbox.claim is not None:
             await self._delete_object(m.CLAIM, sandbox.claim)
         else:
@@ -333,8 +351,10 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         if self._closed:
             return
         try:
-            for sb in list(self._live.values()):
+            live = list(self._live.values())
+            for sb in live:
                 sb._mark_dead("backend closed")
+            await asyncio.gather(*(sb._close_session() for sb in live))
             self._live.clear()
             self._by_pod.clear()
             if self._http is not None and self._http.writes:  # it may have created something
