@@ -12,13 +12,17 @@ from sandpool.core.base import Backend, ExecResult, Sandbox
 
 
 class MemorySandbox(Sandbox):
-    """Remembers the commit it was checked out at and answers reset/verify commands."""
+    """Remembers the commit it was checked out at and answers reset/verify commands.
+
+    ``restore_repo`` models a backend that restores the repo from the image; set
+    ``restore_fails`` to make it report a path it could not restore."""
 
     def __init__(self, sid: str, image: str) -> None:
         self.id, self.image, self.workdir = sid, image, "/testbed"
         self.at = "0" * 40  # the commit its workdir is at
         self.dead = False
         self.dirty = False
+        self.restore_fails = False
         self.fail_next_exec: errors.SandpoolError | None = None
         self.commands: list[str] = []
 
@@ -35,10 +39,16 @@ class MemorySandbox(Sandbox):
         if m := re.search(r"checkout -q -f --detach '?([0-9a-f]{40})", cmd):
             self.at = m.group(1)
             self.dirty = False
-        if "rev-parse HEAD && echo" in cmd:  # verification
-            status = " M calc.py\n" if self.dirty else ""
-            return ExecResult(0, f"{self.at}\n@@sandpool-verify@@\n{status}@@sandpool-verify@@\n".encode())
+        if "/proc/sysvipc" in cmd:  # verification of what lies outside the repo: all clean
+            return ExecResult(0, b"@@sandpool-verify@@\n")
         return ExecResult(0, b"ok\n")
+
+    async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str]:
+        if self.restore_fails:
+            return ["calc.py differs from the image (replace)"]
+        self.dirty = False
+        self.at = self.head or "0" * 40
+        return []
 
     async def read_file(self, path: str) -> bytes:
         return b""

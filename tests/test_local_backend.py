@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, errors, run_rollout
-from sandpool.core.backends.local import LocalBackend, reap_stale
+from sandpool.core.backends.local import LocalBackend, LocalSandbox, reap_stale
 
 from .conftest import CALC_IMAGE
 from .waiting import until
@@ -163,16 +163,27 @@ async def test_reset_removes_modified_untracked_ignored_files_and_processes(
         assert pool.counters.created == 1 and pool.counters.quarantines == 0
 
 
-async def test_failed_reset_quarantines_the_sandbox(test_images_root, calc_task):
+async def test_reset_that_does_not_take_is_caught_by_verification_and_quarantined(
+    test_images_root, calc_task, monkeypatch
+):
+    # The agent answers "restored" but does nothing (a broken or subverted agent): the host
+    # compares the overlay with the image itself, so the sandbox is quarantined, not reused.
+    real_call = LocalSandbox._call
+
+    async def lying_call(self, op, wait_s, **fields):
+        return {"failed": []} if op == "restore" else await real_call(self, op, wait_s, **fields)
+
+    monkeypatch.setattr(LocalSandbox, "_call", lying_call)
     async with SandboxPool(LocalBackend(test_images_root), "reuse", PoolLimits(max_live=2)) as pool:
         async with pool.claim(calc_task) as lease:
-            await lease.exec("rm -rf .git")  # nothing left to reset to
+            await lease.exec("echo policy >> calc.py")
             broken = lease.id
         await until(lambda: pool.counters.quarantines, "the quarantine")
+        assert pool.counters.resets == 0
+        assert "calc.py differs from the image" in pool.counters.quarantine_reasons[0]
         async with pool.claim(calc_task) as lease:
             assert lease.id != broken
-            assert (await lease.exec("git rev-parse HEAD")).text.strip() == calc_task.base_commit
-        assert "reset command failed" in pool.counters.quarantine_reasons[0]
+            assert (await lease.exec("git status --porcelain")).text == ""
 
 
 async def test_sandbox_killed_mid_rollout_is_infra_failed_and_retried(test_images_root, calc_task):

@@ -167,18 +167,11 @@ async def test_dirty_reset_is_quarantined_not_reused():
         lease = await pool.acquire(task(0))
         sb = lease.sandbox
         await lease.write_file("calc.py", b"x")
-        sb.exec_orig = sb.exec
-
-        async def never_clean(cmd, **kw):  # a reset that does not take
-            res = await sb.exec_orig(cmd, **kw)
-            sb.dirty = True
-            return res
-
-        sb.exec = never_clean
+        sb.restore_fails = True  # a reset that does not take
         await pool.release(lease)
         await until(lambda: sb.id not in backend.live, "the quarantined sandbox's delete")
         assert pool.counters.quarantines == 1
-        assert "working tree not clean" in pool.counters.quarantine_reasons[0]
+        assert "differs from the image" in pool.counters.quarantine_reasons[0]
         lease2 = await pool.acquire(task(0))
         assert lease2.sandbox.id != sb.id
         await pool.release(lease2)

@@ -165,6 +165,27 @@ class Sandbox(abc.ABC):
     def alive(self) -> bool:
         """Cheap local check that the sandbox has not died (no round trip)."""
 
+    async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str] | None:
+        """Make the repo at or below ``under`` identical to the image's, then verify it.
+
+        Optional: a backend that can see what a rollout changed without trusting the sandbox
+        (the local backend reads its overlay's upper layer on the host) implements it; the
+        default returns None and :mod:`sandpool.core.reset` uses its generic in-sandbox path.
+        It restores files, not processes: stop the rollout's processes first.
+
+        Args:
+            under: Repo-relative path to restore (``""``: the whole repo, ``.git`` included).
+            timeout: Seconds the restore may take.
+
+        Returns:
+            None when unsupported; else what still differs after the restore (empty: the
+            repo, at or below ``under``, is identical to the image's).
+
+        Raises:
+            SandboxDied, ExecTransportError: As for :meth:`exec`.
+        """
+        return None
+
 
 class Backend(abc.ABC):
     """Creates and deletes sandboxes. One async method per operation.

@@ -7,6 +7,7 @@ SandpoolError
 │   ├── SandboxDied             the sandbox vanished mid-use (killed, evicted, deleted)
 │   ├── ExecTransportError      the command channel broke (no answer, garbled frame)
 │   ├── InfraTimeout            an infra operation (claim, reset, create) ran out of time
+│   ├── ResetError              a sandbox's repo could not be made identical to its image
 │   └── ApiError                the control plane kept failing (429/5xx) after retries
 ├── InputError                  fix the input: the message names the field and the fix
 │   ├── TaskValidationError     a malformed task row
@@ -47,6 +48,7 @@ __all__ = [
     "InfraTimeout",
     "InputError",
     "PoolClosed",
+    "ResetError",
     "SandboxDied",
     "SandboxExhausted",
     "SandboxFileError",
@@ -94,6 +96,16 @@ class InfraTimeout(InfraError):
     """An infra operation (claim, reset, create, readiness) exceeded its timeout."""
 
     kind = "infra_timeout"
+
+
+class ResetError(InfraError):
+    """A sandbox's repo (``.git`` included) could not be restored to its image's state.
+
+    The sandbox must not be used again: the pool quarantines it, and grading that needs a
+    pristine ``.git`` cannot proceed on it.
+    """
+
+    kind = "reset"
 
 
 class ApiError(InfraError):

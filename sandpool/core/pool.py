@@ -32,7 +32,7 @@ from sandpool.core.metrics import (
     TTFCStats,
     Workload,
 )
-from sandpool.core.reset import checkout, reset_in_place
+from sandpool.core.reset import checkout, record_pristine, reset_in_place
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
 
@@ -539,14 +539,17 @@ class SandboxPool:
         try:
             async with self._limiter:
                 sandbox = await asyncio.wait_for(self.backend.create(name), self.limits.create_timeout)
-            if warm_up:
-                # Warming includes git's index: a fresh copy of the repo has stat data from
-                # elsewhere, and the first git command would re-read every file on the claim path.
-                try:
+            try:
+                # What the in-place reset and grading restore to, recorded while it is fresh.
+                await record_pristine(sandbox, timeout=self.limits.create_timeout)
+                if warm_up:
+                    # Warming includes git's index: a fresh copy of the repo has stat data from
+                    # elsewhere, and the first git command would re-read every file on the
+                    # claim path.
                     await sandbox.exec("git update-index -q --refresh", timeout=self.limits.create_timeout)
-                except BaseException:
-                    await self._delete(sandbox)
-                    raise
+            except BaseException:
+                await self._delete(sandbox)
+                raise
         except TimeoutError:
             self._create_failed(name, errors.SandboxStartError(
                 f"creating a sandbox of {name!r} took over {self.limits.create_timeout:.0f} s"))
@@ -591,9 +594,9 @@ class SandboxPool:
                 reset_in_place(entry.sandbox, commit, timeout=self.limits.reset_timeout),
                 self.limits.reset_timeout * 2,
             )
-            problems = list(outcome.problems)
+            problems, head = list(outcome.problems), outcome.head
         except (errors.SandpoolError, TimeoutError) as exc:
-            problems = [f"reset failed: {type(exc).__name__}: {exc}"]
+            problems, head = [f"reset failed: {type(exc).__name__}: {exc}"], None
         img.resetting -= 1
         self.counters.reset_time(time.monotonic() - t0)
         if self.state is not PoolState.OPEN:
@@ -607,7 +610,7 @@ class SandboxPool:
             self._spawn(self._delete(entry.sandbox))
         else:
             self.counters.resets += 1
-            entry.head = commit
+            entry.head = head
             entry.state = SandboxState.IDLE
             img.idle.appendleft(entry)
         self._assign()

@@ -1,23 +1,60 @@
-"""In-place reset: bring a used sandbox back to a task's pristine state, then prove it.
+"""In-place reset: bring a used sandbox back to its image's pristine state, and prove it.
 
-Reset = kill stray processes, ``git reset --hard``, ``git clean -ffdx``, check out the base
-commit, clear ``/tmp``. Verification = ``git status --porcelain --ignored`` is empty, ``HEAD``
-is the base commit, and no process but the sandbox's agent is left. The same steps run in a
-bubblewrap sandbox and in a pod: they only use :class:`~sandpool.core.base.Sandbox` methods.
+The property (not a list of cleanup steps) that a reset establishes and then verifies:
+
+* the repo directory, ``.git`` included (refs, stash, reflog, config, hooks, info files,
+  objects, index), is identical to the image's, so nothing an earlier rollout made is
+  reachable (``git log --all``, ``stash list``, ``reflog``, ``fsck --lost-found``);
+* nothing else the sandbox can write is left changed: ``/tmp``, ``/dev/shm``, ``/dev/mqueue``
+  and System V IPC objects are empty;
+* no process of the rollout is left.
+
+A sandbox that fails the check is quarantined by the pool, never handed out.
+
+How "identical" is established depends on what the backend can see from outside the sandbox:
+
+* :meth:`Sandbox.restore_repo` (the local backend): the overlay's upper layer, read on the
+  host, lists exactly what changed; those paths are copied back from the image and compared
+  with it on the host (type, mode, mtime, xattrs, bytes or link target). O(paths changed).
+* otherwise (pods): a manifest of the fresh repo (every path's type, mode, sha256 or link
+  target) and a copy of ``.git`` without its object store are recorded by :func:`record_pristine`
+  when the sandbox is fresh and kept in this process, where the policy cannot write; the reset
+  rebuilds ``.git`` from that copy, removes added objects, restores the tree with git, and
+  compares a new manifest with the recorded one. O(repo); mtimes are not compared.
+
+After the check passes, sandpool's own git commands (hooks off, the now-pristine config) check
+out the commit the next claim asks for and refresh git's index (its stat cache), the same steps
+a fresh sandbox's claim takes.
 """
 
 from __future__ import annotations
 
+import base64
 import shlex
+import weakref
 from dataclasses import dataclass
 
 from sandpool.core.base import Sandbox
-from sandpool.core.errors import InfraError, InfraTimeout, InputError
+from sandpool.core.errors import InfraError, InfraTimeout, InputError, ResetError
 
-__all__ = ["ResetOutcome", "checkout", "reset_in_place", "verify"]
+__all__ = ["SAFE_GIT", "ResetOutcome", "checkout", "record_pristine", "reset_in_place",
+           "restore_git_metadata"]
 
-_GIT = "git -c advice.detachedHead=false -c core.hooksPath=/dev/null"
+#: A shell prefix that runs git without any configuration, hook, attribute file or fsmonitor
+#: a policy could have planted outside ``.git`` (``$HOME`` is ``/tmp`` in a sandbox, so
+#: ``~/.gitconfig`` and ``~/.config/git/attributes`` are the policy's). Use it for every git
+#: command sandpool runs on a policy's tree, after :func:`restore_git_metadata`.
+SAFE_GIT = ("env -u GIT_DIR -u GIT_WORK_TREE -u GIT_INDEX_FILE -u GIT_OBJECT_DIRECTORY "
+            "-u GIT_ALTERNATE_OBJECT_DIRECTORIES -u GIT_CONFIG_PARAMETERS "
+            "HOME=/nonexistent XDG_CONFIG_HOME=/nonexistent GIT_CONFIG_GLOBAL=/dev/null "
+            "GIT_CONFIG_NOSYSTEM=1 GIT_ATTR_NOSYSTEM=1 GIT_TERMINAL_PROMPT=0 "
+            "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.attributesFile=/dev/null "
+            "-c advice.detachedHead=false")
 _SEP = "@@sandpool-verify@@"
+# Everything a rollout can write outside the repo in a sandbox, besides /tmp.
+_SCRATCH = ("/tmp", "/dev/shm", "/dev/mqueue")
+# The Kubernetes backend's exec wrapper keeps its output files here (sandpool's own).
+_OWN_GIT_PATHS = (".git/sandpool-exec",)
 
 
 @dataclass(frozen=True)
@@ -28,43 +65,20 @@ class ResetOutcome:
         ok: True when every check passed; the sandbox may be handed out again.
         problems: What failed, one sentence each (empty when ``ok``).
         killed: Stray processes killed.
+        head: The commit the repo is at after the reset (the requested one, or the image's
+            own when checking that out failed), None when not ``ok``.
     """
 
     ok: bool
     problems: tuple[str, ...] = ()
     killed: int = 0
-
-
-async def verify(sandbox: Sandbox, commit: str, *, timeout: float = 30.0) -> list[str]:
-    """Check that ``sandbox`` is pristine at ``commit``; return the problems found (empty = ok).
-
-    Raises:
-        InfraError: The sandbox could not be reached.
-    """
-    res = await sandbox.exec(
-        f"{_GIT} rev-parse HEAD && echo {_SEP} && "
-        f"{_GIT} status --porcelain --ignored --untracked-files=all && echo {_SEP} && ls -A /tmp",
-        timeout=timeout,
-    )
-    if not res.ok:
-        return [f"git status failed (exit {res.exit_code}): {res.err_text.strip()[:200]}"]
-    head, status, tmp = (part.split() if i != 1 else part.splitlines()
-                         for i, part in enumerate(res.text.split(_SEP + "\n")))
-    problems: list[str] = []
-    if head != [commit]:
-        problems.append(f"HEAD is {' '.join(head) or '?'}, expected {commit}")
-    if status:
-        problems.append(f"working tree not clean: {status[:5]}")
-    if tmp:
-        problems.append(f"/tmp not empty: {tmp[:5]}")
-    procs = await sandbox.processes()
-    if procs:
-        problems.append(f"processes left: {procs[:5]}")
-    return problems
+    head: str | None = None
 
 
 async def checkout(sandbox: Sandbox, commit: str, *, timeout: float = 60.0) -> None:
     """Check out ``commit`` (detached, forced) in the sandbox's workdir and confirm HEAD.
+
+    Runs git as :data:`SAFE_GIT` (no hook, filter or config outside the repo's own).
 
     Raises:
         InputError: The commit does not exist in the image's repo (the task's
@@ -75,14 +89,14 @@ async def checkout(sandbox: Sandbox, commit: str, *, timeout: float = 60.0) -> N
     """
     c = shlex.quote(commit)
     res = await sandbox.exec(
-        f"{_GIT} checkout -q -f --detach {c} && test \"$({_GIT} rev-parse HEAD)\" = {c}",
+        f"{SAFE_GIT} checkout -q -f --detach {c} && test \"$({SAFE_GIT} rev-parse HEAD)\" = {c}",
         timeout=timeout,
     )
     if res.ok:
         return
     if res.timed_out:  # a slow sandbox, not a bad task
         raise InfraTimeout(f"checking out {commit} in sandbox {sandbox.id} took over {timeout:.0f} s")
-    probe = await sandbox.exec(f"{_GIT} cat-file -e {c}^{{commit}}", timeout=timeout)
+    probe = await sandbox.exec(f"{SAFE_GIT} cat-file -e {c}^{{commit}}", timeout=timeout)
     if probe.timed_out:
         raise InfraTimeout(f"looking up {commit} in sandbox {sandbox.id} took over {timeout:.0f} s")
     if probe.ok:  # the commit is there and still would not check out: the sandbox is at fault
@@ -94,13 +108,49 @@ async def checkout(sandbox: Sandbox, commit: str, *, timeout: float = 60.0) -> N
     )
 
 
+async def restore_git_metadata(sandbox: Sandbox, *, timeout: float = 60.0) -> None:
+    """Make the sandbox repo's ``.git`` identical to the image's; leave the working tree as is.
+
+    Call it before running git on a tree a policy touched (grading's ``git checkout <base> --
+    <test files>`` and ``git apply``). When it returns:
+
+    * every process the rollout left is killed (none can re-plant anything afterwards);
+    * ``.git`` is byte-identical to the image's (verified, see the module docstring): its
+      config (no ``filter.*``, ``core.hooksPath``, ``include``, ``core.worktree``...), hooks,
+      ``info/`` (attributes, exclude, sparse-checkout, grafts), ``objects/info/alternates``,
+      ``shallow``, HEAD, refs (``refs/replace`` too), packed-refs, reflogs, stash, index
+      (skip-worktree and assume-unchanged bits) and objects. HEAD and the index are the
+      image's, so name ``task.base_commit`` explicitly rather than relying on HEAD;
+    * the working tree is untouched: the policy's final state is what a ``git diff
+      <base_commit>`` shows.
+
+    Together with :data:`SAFE_GIT` for the git commands themselves (which ignores
+    ``~/.gitconfig`` and ``~/.config/git/attributes`` under the policy's ``$HOME``), no hook,
+    filter or config the policy planted can run.
+
+    Args:
+        sandbox: A sandbox from a pool (or one passed to :func:`record_pristine` when fresh).
+        timeout: Seconds the restore may take.
+
+    Raises:
+        ResetError: ``.git`` could not be made identical to the image's; do not grade on
+            this sandbox (it is infra's failure, never a reward of 0).
+        InfraError: The sandbox could not be reached.
+    """
+    await sandbox.kill_strays()
+    problems = await _restore(sandbox, ".git", timeout)
+    if problems:
+        raise ResetError(f"sandbox {sandbox.id}: .git could not be restored to image "
+                         f"{sandbox.image!r}: {'; '.join(problems[:5])}")
+
+
 async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0) -> ResetOutcome:
-    """Reset ``sandbox`` to ``commit`` in place, then verify it.
+    """Reset ``sandbox`` in place to its image's state, verify it, then check out ``commit``.
 
     Args:
         sandbox: A sandbox whose workdir is a git repository.
-        commit: The 40-hex commit to restore.
-        timeout: Seconds for the reset command.
+        commit: The 40-hex commit the next claim wants (checked out after verification).
+        timeout: Seconds for each step.
 
     Returns:
         A :class:`ResetOutcome`; ``ok=False`` means the caller must quarantine the sandbox.
@@ -109,14 +159,154 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
         InfraError: The sandbox could not be reached.
     """
     killed = await sandbox.kill_strays()
-    c = shlex.quote(commit)
+    dirs = " ".join(_SCRATCH)
     res = await sandbox.exec(
-        f"{_GIT} reset -q --hard && {_GIT} clean -q -ffdx && {_GIT} checkout -q -f --detach {c}"
-        " && find /tmp -mindepth 1 -delete",
-        timeout=timeout,
+        f"for d in {dirs}; do [ ! -d $d ] || find $d -mindepth 1 -delete || exit 1; done;"
+        " ipcrm --all 2>/dev/null; true", timeout=timeout)
+    problems = [] if res.ok else [f"clearing {dirs} failed: {res.err_text.strip()[:200]}"]
+    problems += await _restore(sandbox, "", timeout)
+    problems += await _verify_outside_repo(sandbox, timeout)
+    if problems:
+        return ResetOutcome(False, tuple(problems), killed)
+    head = sandbox.head
+    if commit != head:
+        try:
+            await checkout(sandbox, commit, timeout=timeout)
+            head = commit
+        except InputError:
+            pass  # still pristine at the image's head; the claim reports the bad commit
+    res = await sandbox.exec(f"{SAFE_GIT} update-index -q --refresh; true", timeout=timeout)
+    return ResetOutcome(True, (), killed, head)
+
+
+async def _verify_outside_repo(sandbox: Sandbox, timeout: float) -> list[str]:
+    res = await sandbox.exec(
+        f"for d in {' '.join(_SCRATCH)}; do [ ! -d $d ] || ls -A $d; done; echo {_SEP};"
+        " cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg 2>/dev/null | grep -v '^ *key'",
+        timeout=timeout)
+    left, ipc = (res.text.split(_SEP + "\n") + [""])[:2]
+    problems = []
+    if left.split():
+        problems.append(f"scratch space not empty: {left.split()[:5]}")
+    if ipc.strip():
+        problems.append(f"System V IPC objects left: {ipc.strip().splitlines()[:3]}")
+    procs = await sandbox.processes()
+    if procs:
+        problems.append(f"processes left: {procs[:5]}")
+    return problems
+
+
+async def _restore(sandbox: Sandbox, under: str, timeout: float) -> list[str]:
+    problems = await sandbox.restore_repo(under, timeout=timeout)
+    if problems is None:  # the backend cannot see changes from outside: the generic path
+        problems = await _generic_restore(sandbox, under, timeout)
+    return problems
+
+
+# -- the generic path: a pristine record kept in this process ---------------------------------
+
+@dataclass(frozen=True)
+class _Pristine:
+    paths: tuple[str, ...]  # "<type> <mode> <path> -> <target>" per path of the fresh repo
+    hashes: tuple[str, ...]  # "<sha256>  <path>" per regular file
+    git_meta: bytes  # tar of .git without its object files
+
+
+_records: weakref.WeakKeyDictionary[Sandbox, _Pristine] = weakref.WeakKeyDictionary()
+_OWN = " -o ".join(f"-path ./{p}" for p in _OWN_GIT_PATHS)
+_LIST = f"find {{root}} \\( {_OWN} \\) -prune -o -printf '%y %m %p -> %l\\n' | LC_ALL=C sort"
+_HASH = (f"find {{root}} \\( {_OWN} \\) -prune -o -type f -print0 | LC_ALL=C sort -z"
+         " | xargs -0 -r sha256sum --")
+
+
+def _manifest(root: str) -> str:
+    # Two sections: every path with type, mode and link target; the sha256 of every file.
+    return f"{_LIST.format(root=root)}; echo {_SEP}; {_HASH.format(root=root)}"
+
+
+def _split(text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    listed, _, hashed = text.partition(_SEP + "\n")
+    return tuple(listed.splitlines()), tuple(hashed.splitlines())
+
+
+def _path_of(line: str) -> str:
+    if "  " in line and " -> " not in line:
+        return line.split("  ", 1)[1]
+    return line.split(" ", 2)[2].rsplit(" -> ", 1)[0]
+
+
+def _under(lines: tuple[str, ...], under: str) -> list[str]:
+    if not under:
+        return list(lines)
+    prefix = f"./{under}"
+    return [ln for ln in lines if (p := _path_of(ln)) == prefix or p.startswith(prefix + "/")]
+
+
+async def record_pristine(sandbox: Sandbox, *, timeout: float = 120.0) -> None:
+    """Record a fresh sandbox's repo for the generic reset path.
+
+    A no-op where the backend implements :meth:`Sandbox.restore_repo`. Call it before any
+    rollout touches the sandbox; the pool does, for every sandbox it creates. The record (a
+    manifest of every path and a copy of ``.git`` without its object files) stays in this
+    process, out of the policy's reach, for as long as the sandbox object lives.
+
+    Raises:
+        ResetError: The repo could not be read.
+        InfraError: The sandbox could not be reached.
+    """
+    if type(sandbox).restore_repo is not Sandbox.restore_repo:
+        return
+    res = await sandbox.exec(
+        f"{_manifest('.')}; echo {_SEP}; find .git/objects -type f ! -path '.git/objects/info/*'"
+        " > /tmp/.sandpool-objects && tar -cf - --exclude-from=/tmp/.sandpool-objects"
+        f" {' '.join(f'--exclude={p}' for p in _OWN_GIT_PATHS)} .git | base64 -w0;"
+        " rc=$?; rm -f /tmp/.sandpool-objects; exit $rc",
+        timeout=timeout, max_output=1 << 30)
+    parts = res.text.split(_SEP + "\n")
+    if not res.ok or len(parts) != 3:
+        raise ResetError(f"sandbox {sandbox.id}: cannot record its fresh repo: {res.err_text.strip()[:300]}")
+    paths, hashes = _split(parts[0] + _SEP + "\n" + parts[1])
+    _records[sandbox] = _Pristine(paths, hashes, base64.b64decode(parts[2]))
+
+
+async def _generic_restore(sandbox: Sandbox, under: str, timeout: float) -> list[str]:
+    rec = _records.get(sandbox)
+    if rec is None:
+        return [f"no pristine record of sandbox {sandbox.id} (record_pristine was not called when fresh)"]
+    objects = sorted(_path_of(h) for h in rec.hashes if _path_of(h).startswith("./.git/objects/"))
+    await sandbox.write_file("/tmp/.sandpool-git.tar", rec.git_meta)
+    await sandbox.write_file("/tmp/.sandpool-objects", "".join(f"{p}\n" for p in objects).encode())
+    own = " ".join(f"! -path ./{p}" for p in _OWN_GIT_PATHS)
+    script = (
+        # .git: everything but the object store goes and comes back from the record; object
+        # files the rollout added go too (the image's stay, and are hashed below).
+        f"find ./.git -mindepth 1 -maxdepth 1 ! -name objects {own} -exec rm -rf {{}} + ;"
+        " rm -rf ./.git/objects/info;"
+        " find ./.git/objects -type f | LC_ALL=C sort | LC_ALL=C comm -23 - /tmp/.sandpool-objects"
+        " | xargs -d '\\n' -r rm -f --;"
+        " find ./.git/objects -mindepth 1 -type d -empty -delete;"
+        " tar -xf /tmp/.sandpool-git.tar || exit 1;"
     )
+    if not under:
+        listed = sorted(_path_of(p) for p in rec.paths)
+        await sandbox.write_file("/tmp/.sandpool-paths", "".join(f"{p}\n" for p in listed).encode())
+        script += (
+            # The tree: paths the image has not go, git rewrites the tracked files from the
+            # (restored) index, whose bytes are then put back.
+            f" find . \\( {_OWN} \\) -prune -o -print | LC_ALL=C sort | LC_ALL=C comm -23 -"
+            " /tmp/.sandpool-paths | xargs -d '\\n' -r rm -rf --;"
+            f" cp .git/index /tmp/.sandpool-index && {SAFE_GIT} checkout-index -a -f -q"
+            " && mv /tmp/.sandpool-index .git/index || exit 1;"
+        )
+    script += f" rm -f /tmp/.sandpool-*; {_manifest('./' + under if under else '.')}"
+    res = await sandbox.exec(script, timeout=timeout, max_output=1 << 28)
     if not res.ok:
-        return ResetOutcome(False, (f"reset command failed (exit {res.exit_code}): "
-                                    f"{res.err_text.strip()[:300]}",), killed)
-    problems = await verify(sandbox, commit, timeout=timeout)
-    return ResetOutcome(not problems, tuple(problems), killed)
+        return [f"restore failed (exit {res.exit_code}): {res.err_text.strip()[:300]}"]
+    paths, hashes = _split(res.text)
+    problems = []
+    for now, want, what in ((paths, rec.paths, "paths"), (hashes, rec.hashes, "contents")):
+        now_u, want_u = set(_under(now, under)), set(_under(want, under))
+        if now_u != want_u:
+            problems.append(f"{what} differ from the fresh repo: unexpected {sorted(now_u - want_u)[:3]},"
+                            f" missing {sorted(want_u - now_u)[:3]}")
+    return problems

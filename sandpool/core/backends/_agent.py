@@ -13,12 +13,19 @@ Ops:
     write_file  {path, data(b64), mode} -> {} | {error: "os_error", errno, strerror}
     ps          {} -> {procs: [cmdline, ...]} (everything but the agent and pid 1)
     kill_strays {} -> {killed: n}
+    restore     {root, image, changes: [[path, "replace"|"meta"], ...]} -> {failed: [msg, ...]}
+                make each repo-relative path under ``root`` what it is under ``image`` (the
+                image's repo, bind-mounted read-only): ``replace`` removes the path and copies
+                the image's (type, bytes or target, mode, mtime, user xattrs); ``meta`` sets a
+                directory's own mode, mtime and xattrs. The host computed the list from the
+                overlay's upper layer and verifies the result; this op only does the work.
 """
 
 import base64
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -314,8 +321,104 @@ def _kill_strays(_req):
     return {"killed": killed}
 
 
+def _copy_attrs(src, dst, st):
+    # Order matters: xattrs and mode first, mtime last (setting xattrs does not touch it).
+    try:
+        names = os.listxattr(src, follow_symlinks=False)
+    except OSError:
+        names = []
+    for n in names:
+        if n.startswith("user."):
+            os.setxattr(dst, n, os.getxattr(src, n, follow_symlinks=False), follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(dst, stat.S_IMODE(st.st_mode))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _strip_xattrs(path):
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return
+    for n in names:
+        if n.startswith("user."):
+            os.removexattr(path, n, follow_symlinks=False)
+
+
+def _remove(path):
+    """Remove ``path`` recursively without following symlinks, whatever its modes."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(path)
+        return
+    os.chmod(path, 0o700)  # a rollout may have left it unreadable or unwritable
+    for name in os.listdir(path):
+        _remove(os.path.join(path, name))
+    os.rmdir(path)
+
+
+def _copy(src, dst):
+    st = os.lstat(src)
+    if stat.S_ISDIR(st.st_mode):
+        os.mkdir(dst, 0o700)
+        for name in os.listdir(src):
+            _copy(os.path.join(src, name), os.path.join(dst, name))
+    elif stat.S_ISLNK(st.st_mode):
+        os.symlink(os.readlink(src), dst)
+    elif stat.S_ISREG(st.st_mode):
+        fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            fo = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            try:
+                while os.sendfile(fo, fi, None, 1 << 24):
+                    pass
+            finally:
+                os.close(fo)
+        finally:
+            os.close(fi)
+    elif stat.S_ISFIFO(st.st_mode):
+        os.mkfifo(dst, 0o600)
+    else:
+        raise OSError(f"cannot copy {src}: unsupported file type")
+    _copy_attrs(src, dst, st)
+
+
+def _restore(req):
+    root, image = req["root"], req["image"]
+    failed, dirs = [], set()
+    for rel, kind in req["changes"]:
+        dst = os.path.join(root, rel) if rel else root
+        src = os.path.join(image, rel) if rel else image
+        try:
+            if kind == "replace":
+                _remove(dst)
+                if os.path.lexists(src):
+                    _copy(src, dst)
+            else:
+                dirs.add(rel)
+            if rel:
+                dirs.add(os.path.dirname(rel))  # removing and creating entries moved its mtime
+        except OSError as exc:
+            failed.append(f"{rel or '.'}: {exc}")
+    # Deepest first: fixing a directory's mtime must come after every change inside it.
+    for rel in sorted(dirs, key=lambda r: (r.count("/") + bool(r)), reverse=True):
+        dst = os.path.join(root, rel) if rel else root
+        src = os.path.join(image, rel) if rel else image
+        try:
+            st = os.lstat(src)
+            if stat.S_ISDIR(st.st_mode) and stat.S_ISDIR(os.lstat(dst).st_mode):
+                _strip_xattrs(dst)
+                _copy_attrs(src, dst, st)
+        except OSError as exc:
+            failed.append(f"{rel or '.'}: {exc}")
+    return {"failed": failed}
+
+
 _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps": _ps,
-        "kill_strays": _kill_strays}
+        "kill_strays": _kill_strays, "restore": _restore}
 
 
 def _serve(req):

@@ -8,7 +8,9 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
 * a read-only view of the host's ``/usr`` (the toolchain), the image's interpreter and venv,
   and nothing of the host's home, work trees or environment (``--clearenv``);
 * the image's repo at ``/testbed`` as an overlayfs whose upper layer is private to the
-  sandbox (copy-on-write, not a copy), and a private ``/tmp``;
+  sandbox (copy-on-write, not a copy), the image's repo itself read-only at
+  ``/opt/sandpool/image`` (the in-place reset's restore source), a private ``/tmp`` and
+  ``/dev/shm``, a private mqueue at ``/dev/mqueue``, and nothing else writable;
 * CPU, memory and pid limits from its own cgroup, joined before bubblewrap starts; its
   commands run one level down (``_cgroup``), so a fork or memory bomb cannot starve the agent.
 
@@ -30,6 +32,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import time
 import uuid
@@ -39,7 +42,7 @@ from pathlib import Path, PurePosixPath
 from pydantic import BaseModel, ValidationError
 
 from sandpool.core import errors
-from sandpool.core.backends import _cgroup
+from sandpool.core.backends import _cgroup, _overlay
 from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox
 from sandpool.core.paths import sandpool_home
 
@@ -48,6 +51,7 @@ __all__ = ["LocalBackend", "LocalImage", "LocalSandbox", "image_dir"]
 _AGENT = Path(__file__).with_name("_agent.py")
 _AGENT_IN_SANDBOX = "/opt/sandpool/agent.py"
 _WORK_CGROUP_IN_SANDBOX = "/opt/sandpool/work-cgroup"
+_IMAGE_IN_SANDBOX = "/opt/sandpool/image"
 _SANDBOX_UID = 1000
 _TRANSPORT_GRACE_S = 10.0
 _STREAM_LIMIT = 256 << 20  # bytes; one response line carries a whole (base64) output
@@ -95,6 +99,7 @@ class LocalSandbox(Sandbox):
                  state_dir: Path) -> None:
         self.id = sid
         self.image = image.name
+        self._lower = image.repo
         self.workdir = image.workdir
         self.head = image.head
         self.state_dir = state_dir
@@ -264,6 +269,24 @@ class LocalSandbox(Sandbox):
         """SIGKILL every process but the agent; return how many were signalled."""
         return int((await self._call("kill_strays", 30.0))["killed"])
 
+    async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str]:
+        """Make the repo at or below ``under`` identical to the image's; see :meth:`Sandbox.restore_repo`.
+
+        The overlay's upper layer, read on the host, lists what the rollout changed
+        (:func:`._overlay.diff`); the agent copies those paths back from the image's repo
+        (bind-mounted read-only) through the merged view; then the upper layer is compared
+        with the image again, on the host, out of the policy's reach. Cost: O(paths changed).
+        """
+        upper = self.state_dir / "upper"
+        changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under)
+        if not changes:
+            return []
+        msg = await self._call("restore", timeout, root=self.workdir, image=_IMAGE_IN_SANDBOX,
+                               changes=[[c.path, c.kind] for c in changes])
+        left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under)
+        return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
+            f"restore failed: {m}" for m in msg.get("failed", [])][:20]
+
 
 class LocalBackend(Backend):
     """Creates sandboxes as bubblewrap process trees on this machine.
@@ -408,10 +431,13 @@ class LocalBackend(Backend):
         argv += [
             "--proc", "/proc",
             "--dev", "/dev",
+            "--tmpfs", "/dev/shm",
+            "--mqueue", "/dev/mqueue",
             "--tmpfs", "/tmp",
             "--ro-bind", img.python_prefix, img.python_prefix,
             "--ro-bind", img.venv, img.venv,
             "--bind", str(merged), img.workdir,
+            "--ro-bind", img.repo, _IMAGE_IN_SANDBOX,
             "--ro-bind", str(_AGENT), _AGENT_IN_SANDBOX,
         ]
         # The agent puts each command into the work cgroup (its pid and memory budget),
@@ -429,7 +455,9 @@ class LocalBackend(Backend):
             "--setenv", "GIT_CONFIG_NOSYSTEM", "1",
             "--setenv", "GIT_AUTHOR_NAME", "sandbox", "--setenv", "GIT_AUTHOR_EMAIL", "sandbox@localhost",
             "--setenv", "GIT_COMMITTER_NAME", "sandbox", "--setenv", "GIT_COMMITTER_EMAIL", "sandbox@localhost",
-            # The root is bubblewrap's scratch tmpfs: make it read-only once mounts are in place.
+            # The root is bubblewrap's scratch tmpfs: make it read-only once mounts are in place;
+            # so is /dev's, so only the repo, /tmp, /dev/shm and /dev/mqueue are writable.
+            "--remount-ro", "/dev",
             "--remount-ro", "/",
             "--chdir", img.workdir,
             f"{venv_bin}/python", "-I", "-u", _AGENT_IN_SANDBOX,
@@ -462,6 +490,11 @@ class LocalBackend(Backend):
         try:
             for d in (upper, work, merged):
                 d.mkdir(parents=True)
+            # The merged root takes the upper root's attributes: make them the image's, so
+            # the fresh repo is identical to the image's down to its root directory.
+            lst = os.stat(img.repo)
+            os.chmod(upper, stat.S_IMODE(lst.st_mode))
+            os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
             _mount_overlay(img.repo, upper, work, merged)
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
             work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
@@ -562,7 +595,9 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 
 def _mount_overlay(lower: str, upper: Path, work: Path, merged: Path) -> None:
-    opts = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    # No metacopy and no redirects: each upper entry then holds its full data and name, and
+    # the host can compare it with the lower layer (see _overlay).
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,metacopy=off".encode()
     if _libc.mount(b"overlay", str(merged).encode(), b"overlay", 0, opts) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"overlay mount on {merged}: {os.strerror(err)}")

@@ -1,0 +1,187 @@
+"""What a sandbox changed in its repo, read from the host: its overlay's upper layer vs the image.
+
+The repo of a local sandbox is an overlayfs: the image's repo is the read-only lower layer and
+every change a rollout makes (a write, a chmod, a new file, a deletion as a *whiteout*, a
+replaced directory as an *opaque* directory) lands in the sandbox's private upper layer. So the
+upper layer lists exactly what changed, and comparing each of its entries with the lower layer
+tells whether the repo, ``.git`` included, is identical to the image: the cost is O(paths
+changed), not O(repo).
+
+This module only reads (the upper layer of a mounted overlay must not be written behind the
+kernel's back); the sandbox's agent does the restore through the merged view. Nothing here
+follows a symlink: every entry is ``lstat``-ed and files are opened with ``O_NOFOLLOW``, since
+the upper layer holds whatever the policy made.
+
+"Identical" compares, per path: type, permission bits (``S_IMODE``, setuid included), mtime
+(ns), user extended attributes, and content (regular files) or target (symlinks); a regular
+file of the upper layer must also have one link. Ownership is not compared (inside the sandbox
+one uid exists), nor atime and ctime, which no caller can set.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["Change", "diff", "tree_equal"]
+
+_OVL = "trusted.overlay."
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True, order=True)
+class Change:
+    """One path that differs from the image.
+
+    Attributes:
+        path: Relative to the repo root, ``/``-separated (``""`` is the root itself).
+        kind: ``"replace"``: make the path the image's, recursively (remove it when the image
+            has none); ``"meta"``: a directory present in both whose own mode, mtime or
+            xattrs differ (its children are listed separately).
+    """
+
+    path: str
+    kind: str
+
+
+def _xattrs(path: str) -> dict[str, bytes]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    out = {}
+    for n in names:
+        if n.startswith(_OVL):
+            continue
+        try:
+            out[n] = os.getxattr(path, n, follow_symlinks=False)
+        except OSError:
+            out[n] = b"?"
+    return out
+
+
+def _whiteout(st: os.stat_result) -> bool:
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
+
+
+def _opaque(path: str) -> bool:
+    try:
+        return os.getxattr(path, _OVL + "opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return None
+
+
+def _same_bytes(a: str, b: str, size: int) -> bool:
+    fa = os.open(a, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        fb = os.open(b, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            left = size
+            while left > 0:
+                x, y = os.read(fa, _CHUNK), os.read(fb, _CHUNK)
+                if x != y or not x:
+                    return False
+                left -= len(x)
+            return not os.read(fa, 1) and not os.read(fb, 1)
+        finally:
+            os.close(fb)
+    finally:
+        os.close(fa)
+
+
+def _same_attrs(u: str, ust: os.stat_result, lo: str, lst: os.stat_result) -> bool:
+    return (stat.S_IFMT(ust.st_mode) == stat.S_IFMT(lst.st_mode)
+            and stat.S_IMODE(ust.st_mode) == stat.S_IMODE(lst.st_mode)
+            and ust.st_mtime_ns == lst.st_mtime_ns
+            and _xattrs(u) == _xattrs(lo))
+
+
+def _same_leaf(u: str, ust: os.stat_result, lo: str, lst: os.stat_result) -> bool:
+    if not _same_attrs(u, ust, lo, lst):
+        return False
+    if stat.S_ISLNK(ust.st_mode):
+        return os.readlink(u) == os.readlink(lo)
+    if stat.S_ISREG(ust.st_mode):
+        return ust.st_nlink == 1 and ust.st_size == lst.st_size and _same_bytes(u, lo, ust.st_size)
+    return False  # fifos, sockets, devices: never part of an image's repo
+
+
+def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True) -> bool:
+    """True when the trees at host paths ``a`` and ``b`` are identical (see module docstring).
+
+    Whiteouts under ``a`` count as absent entries (``a`` is an opaque upper directory).
+    """
+    ast, bst = _lstat(a), _lstat(b)
+    if ast is None or bst is None:
+        return ast is None and bst is None
+    if not stat.S_ISDIR(ast.st_mode) or not stat.S_ISDIR(bst.st_mode):
+        return _same_leaf(a, ast, b, bst)
+    if not _same_attrs(a, ast, b, bst):
+        return False
+    with os.scandir(a) as it:
+        names_a = {e.name for e in it if not (whiteouts_absent and _whiteout(e.stat(follow_symlinks=False)))}
+    with os.scandir(b) as it:
+        names_b = {e.name for e in it}
+    if names_a != names_b:
+        return False
+    return all(tree_equal(os.path.join(a, n), os.path.join(b, n)) for n in sorted(names_a))
+
+
+def diff(lower: Path | str, upper: Path | str, under: str = "") -> list[Change]:
+    """List what differs between the merged view of ``lower`` + ``upper`` and ``lower``.
+
+    Args:
+        lower: The image's repo directory (the overlay's lower layer), on the host.
+        upper: The sandbox's upper layer directory, on the host.
+        under: Only report paths at or below this repo-relative path (``""``: the whole repo).
+
+    Returns:
+        The changes, sorted by path: ``replace`` for a path added, removed, or different;
+        ``meta`` for a directory whose own attributes differ. Empty means identical.
+    """
+    lower, upper = str(lower), str(upper)
+    out: list[Change] = []
+    rel = under.strip("/")
+    _entry(lower, upper, rel, out)
+    return sorted(out)
+
+
+def _entry(lower: str, upper: str, rel: str, out: list[Change]) -> None:
+    u = os.path.join(upper, rel) if rel else upper
+    lo = os.path.join(lower, rel) if rel else lower
+    ust = _lstat(u)
+    if ust is None:
+        return  # untouched: the merged view shows the lower entry as it is
+    lst = _lstat(lo)
+    if _whiteout(ust):
+        if lst is not None:
+            out.append(Change(rel, "replace"))
+        return
+    if lst is None:
+        out.append(Change(rel, "replace"))
+        return
+    if not (stat.S_ISDIR(ust.st_mode) and stat.S_ISDIR(lst.st_mode)):
+        if not _same_leaf(u, ust, lo, lst):
+            out.append(Change(rel, "replace"))
+        return
+    if _opaque(u):  # the policy removed and recreated it: the whole lower dir is hidden
+        if not tree_equal(u, lo):
+            out.append(Change(rel, "replace"))
+        return
+    if not _same_attrs(u, ust, lo, lst):
+        out.append(Change(rel, "meta"))
+    with os.scandir(u) as it:
+        names = sorted(e.name for e in it)
+    for name in names:
+        _entry(lower, upper, f"{rel}/{name}" if rel else name, out)
