@@ -337,3 +337,17 @@ async def test_agent_client_matches_answers_split_across_frames_and_fails_pendin
         await pending
     with pytest.raises(errors.ExecTransportError, match="garbled"):
         await c.kill_strays()  # the channel stays failed
+
+
+@pytest.mark.parametrize(
+    "version,buggy",
+    [("v0.5.0rc1", True), ("v0.5.3", True), ("0.4.6", True), ("v0.5.4", False),
+     ("v1.0.3", False), ("latest", False)],
+)
+def test_preflight_names_controllers_with_the_warm_pool_over_creation_bug(version, buggy):
+    from sandpool.core.backends.kubernetes._preflight import overcreation_warning
+
+    warning = overcreation_warning(version)
+    assert (warning is not None) == buggy
+    if buggy:
+        assert "issue 1215" in warning and version in warning

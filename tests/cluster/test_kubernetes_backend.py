@@ -470,3 +470,39 @@ async def test_invalid_image_is_rejected_before_anything_is_created(cluster, nam
         assert be.api_writes == 0
     finally:
         await be.aclose()
+
+
+async def test_preflight_warns_when_the_controller_has_the_warm_pool_over_creation_bug(
+    cluster, namespace, repo, caplog
+):
+    path, _, _ = repo
+    # A Deployment of the buggy controller release (0 replicas: only its image tag is read).
+    apps = k8s.AppsV1Api(cluster.core.api_client)
+    apps.create_namespaced_deployment(namespace, {
+        "metadata": {"name": "agent-sandbox-controller"},
+        "spec": {
+            "replicas": 0,
+            "selector": {"matchLabels": {"app": "asc"}},
+            "template": {
+                "metadata": {"labels": {"app": "asc"}},
+                "spec": {"containers": [{
+                    "name": "c",
+                    "image": "registry.k8s.io/agent-sandbox/agent-sandbox-controller:v0.5.3",
+                }]},
+            },
+        },
+    })
+    be = backend(cluster, namespace, path)
+    try:
+        await be.preflight()
+    finally:
+        await be.aclose()
+    (warning,) = [r.getMessage() for r in caplog.records if "issue 1215" in r.getMessage()]
+    assert "v0.5.3" in warning and f"deployment {namespace}/agent-sandbox-controller" in warning
+    caplog.clear()
+    be = backend(cluster, namespace, path, controller_version="v1.0.3")  # the local cluster's
+    try:
+        await be.preflight()
+    finally:
+        await be.aclose()
+    assert not [r for r in caplog.records if "issue 1215" in r.getMessage()]

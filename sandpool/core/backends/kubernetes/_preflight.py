@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from typing import TYPE_CHECKING
 
 from sandpool.core import errors
@@ -18,7 +19,29 @@ from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
 if TYPE_CHECKING:
     from sandpool.core.backends.kubernetes.backend import KubernetesBackend
 
-__all__ = ["PreflightMixin"]
+__all__ = ["PreflightMixin", "overcreation_warning"]
+
+#: First agent-sandbox release whose SandboxWarmPool controller gates creates on its own
+#: expectations (upstream PR 1266, fixing issue 1215); earlier ones over-create when pods
+#: cannot reach Ready (about 5x the replicas observed upstream).
+OVERCREATION_FIXED = (0, 5, 4)
+
+
+def overcreation_warning(version: str) -> str | None:
+    """The warning for an agent-sandbox controller ``version`` (``v0.5.3``, ``0.5.0rc1``...)
+    that has the warm-pool over-creation bug (agent-sandbox issue 1215), else None (fixed,
+    or not a version this can read)."""
+    m_ = re.match(r"v?(\d+)\.(\d+)\.(\d+)", version.strip())
+    if m_ is None:
+        return None
+    if tuple(int(x) for x in m_.groups()) >= OVERCREATION_FIXED:
+        return None
+    return (
+        f"agent-sandbox controller {version} has the SandboxWarmPool over-creation bug "
+        "(agent-sandbox issue 1215: a pool whose pods cannot all reach Ready creates several "
+        "times its replicas); upgrade to v0.5.4 or later, or run it with "
+        "--sandbox-warm-pool-concurrent-workers=1 and keep warm pools within capacity"
+    )
 
 log = logging.getLogger("sandpool.kubernetes")
 
@@ -82,7 +105,33 @@ class PreflightMixin:
         await self._ensure_watches()
         if self.mode == "agent-sandbox":
             await self._probe_controller(http)
+            await self._check_controller_version(http)
         self._preflight_ok = True
+
+    async def _check_controller_version(self: KubernetesBackend, http: KubeHttp) -> None:
+        """Warn when the agent-sandbox controller has the warm-pool over-creation bug.
+
+        The version is ``controller_version`` when given, else the image tag of a Deployment
+        running an ``agent-sandbox-controller`` image (when the user may list Deployments).
+        """
+        version, where = self.controller_version, "controller_version"
+        if version is None:
+            try:
+                deps = await http.request("GET", "/apis/apps/v1/deployments", ok_missing=True)
+            except errors.InfraError:  # RBAC or no apps API: the version stays unknown
+                deps = None
+            for dep in (deps or {}).get("items", []):
+                for c in dep["spec"]["template"]["spec"].get("containers", []):
+                    image = c.get("image", "")
+                    if "agent-sandbox-controller" in image and ":" in image.rsplit("/", 1)[-1]:
+                        version = image.rsplit(":", 1)[1]
+                        where = f"deployment {dep['metadata']['namespace']}/{dep['metadata']['name']}"
+        if version is None:
+            log.info("agent-sandbox controller version unknown: cannot check for the warm-pool "
+                     "over-creation bug (agent-sandbox issue 1215; pass controller_version=)")
+            return
+        if warning := overcreation_warning(version):
+            log.warning("%s (%s)", warning, where)
 
     def _needed_verbs(self: KubernetesBackend) -> list[tuple[str, str, str, str]]:
         core = [

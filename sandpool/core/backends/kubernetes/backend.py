@@ -97,6 +97,9 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         reuse_spares: With a reusing strategy, warm (unclaimed) replicas kept per image as
             spares for quarantined or dead sandboxes (each is one more pod).
         controller_timeout: Seconds preflight waits for the agent-sandbox controller to answer.
+        controller_version: The agent-sandbox controller's version (``v1.0.3``), for
+            preflight's check of the warm-pool over-creation bug; None looks for a
+            Deployment running its image.
         agent: Run sandpool's agent in each pod over one long-lived exec stream (the commands
             of a sandbox never open API-server streams of their own; see :mod:`._session`).
             False, or an image where the agent cannot start (no ``agent_python``; logged once
@@ -129,6 +132,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         exec_prefix: ExecPrefix | None = None,
         reuse_spares: int = 0,
         controller_timeout: float = 15.0,
+        controller_version: str | None = None,
         agent: bool = True,
         agent_python: str = "python3",
         agent_timeout: float = 30.0,
@@ -155,6 +159,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         self.exec_prefix = exec_prefix
         self.reuse_spares = reuse_spares
         self.controller_timeout = controller_timeout
+        self.controller_version = controller_version
         self.agent = agent
         self.agent_python = agent_python
         self.agent_timeout = agent_timeout
