@@ -39,7 +39,7 @@ class MemorySandbox(Sandbox):
         if m := re.search(r"checkout -q -f --detach '?([0-9a-f]{40})", cmd):
             self.at = m.group(1)
             self.dirty = False
-        if "/proc/sysvipc" in cmd:  # verification of what lies outside the repo: all clean
+        if "ls -A" in cmd and "@@sandpool-verify@@" in cmd:  # scratch check: all clean
             return ExecResult(0, b"@@sandpool-verify@@\n")
         return ExecResult(0, b"ok\n")
 

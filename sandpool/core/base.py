@@ -97,12 +97,18 @@ class Sandbox(abc.ABC):
         workdir: Absolute path of the task repository inside the sandbox.
         head: The commit a fresh sandbox's workdir is at, pristine, when the backend knows it
             from the image (then a claim for that commit needs no checkout); else None.
+        scratch: Directories outside the repo that the sandbox can write and that belong to
+            it alone; the in-place reset empties them and checks they are empty.
+        private_ipc: True when the sandbox has its own System V IPC namespace (the reset
+            then removes every IPC object in it); False where it may be shared with others.
     """
 
     id: str
     image: str
     workdir: str
     head: str | None = None
+    scratch: tuple[str, ...] = ("/tmp",)
+    private_ipc: bool = False
 
     @abc.abstractmethod
     async def exec(

@@ -5,8 +5,9 @@ The property (not a list of cleanup steps) that a reset establishes and then ver
 * the repo directory, ``.git`` included (refs, stash, reflog, config, hooks, info files,
   objects, index), is identical to the image's, so nothing an earlier rollout made is
   reachable (``git log --all``, ``stash list``, ``reflog``, ``fsck --lost-found``);
-* nothing else the sandbox can write is left changed: ``/tmp``, ``/dev/shm``, ``/dev/mqueue``
-  and System V IPC objects are empty;
+* nothing else the sandbox can write is left changed: its scratch directories
+  (:attr:`Sandbox.scratch`: ``/tmp``, and locally ``/dev/shm`` and ``/dev/mqueue``) are empty,
+  and so is its System V IPC namespace where it has its own (:attr:`Sandbox.private_ipc`);
 * no process of the rollout is left.
 
 A sandbox that fails the check is quarantined by the pool, never handed out.
@@ -51,8 +52,6 @@ SAFE_GIT = ("env -u GIT_DIR -u GIT_WORK_TREE -u GIT_INDEX_FILE -u GIT_OBJECT_DIR
             "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.attributesFile=/dev/null "
             "-c advice.detachedHead=false")
 _SEP = "@@sandpool-verify@@"
-# Everything a rollout can write outside the repo in a sandbox, besides /tmp.
-_SCRATCH = ("/tmp", "/dev/shm", "/dev/mqueue")
 # The Kubernetes backend's exec wrapper keeps its output files here (sandpool's own).
 _OWN_GIT_PATHS = (".git/sandpool-exec",)
 
@@ -159,10 +158,12 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
         InfraError: The sandbox could not be reached.
     """
     killed = await sandbox.kill_strays()
-    dirs = " ".join(_SCRATCH)
+    dirs = " ".join(sandbox.scratch)
+    # Only the sandbox's own IPC namespace may be emptied: a kwok pod's exec shares the host's.
+    ipc = " ipcrm --all 2>/dev/null;" if sandbox.private_ipc else ""
     res = await sandbox.exec(
-        f"for d in {dirs}; do [ ! -d $d ] || find $d -mindepth 1 -delete || exit 1; done;"
-        " ipcrm --all 2>/dev/null; true", timeout=timeout)
+        f"for d in {dirs}; do [ ! -d $d ] || find $d -mindepth 1 -delete || exit 1; done;{ipc} true",
+        timeout=timeout)
     problems = [] if res.ok else [f"clearing {dirs} failed: {res.err_text.strip()[:200]}"]
     problems += await _restore(sandbox, "", timeout)
     problems += await _verify_outside_repo(sandbox, timeout)
@@ -181,8 +182,9 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
 
 async def _verify_outside_repo(sandbox: Sandbox, timeout: float) -> list[str]:
     res = await sandbox.exec(
-        f"for d in {' '.join(_SCRATCH)}; do [ ! -d $d ] || ls -A $d; done; echo {_SEP};"
-        " cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg 2>/dev/null | grep -v '^ *key'",
+        f"for d in {' '.join(sandbox.scratch)}; do [ ! -d $d ] || ls -A $d; done; echo {_SEP};"
+        + (" cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg 2>/dev/null | grep -v '^ *key'"
+           if sandbox.private_ipc else ""),
         timeout=timeout)
     left, ipc = (res.text.split(_SEP + "\n") + [""])[:2]
     problems = []

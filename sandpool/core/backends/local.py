@@ -95,6 +95,10 @@ class LocalSandbox(Sandbox):
     Created by :meth:`LocalBackend.create`; not constructed directly.
     """
 
+    # Everything it can write outside the repo (see the module docstring); its own ipc ns.
+    scratch = ("/tmp", "/dev/shm", "/dev/mqueue")
+    private_ipc = True
+
     def __init__(self, sid: str, image: LocalImage, proc: asyncio.subprocess.Process,
                  state_dir: Path) -> None:
         self.id = sid
