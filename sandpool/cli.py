@@ -1,4 +1,4 @@
-"""The ``sandpool`` command line: ``run`` (the main job), ``build-pack`` and ``gc``."""
+"""The ``sandpool`` command line: ``run`` (the main job), ``validate``, ``build-pack`` and ``gc``."""
 
 from __future__ import annotations
 
@@ -22,17 +22,49 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(stderr=True)
 
 
-def _default_tasks() -> Path:
+def _default_tasks(*, validated: bool = False) -> Path:
     from sandpool.envs.taskpack import RichBuildProgress, build_default_pack
 
     console.print("[bold]task pack[/]: the default pack (built on the first run, then cached)")
     with RichBuildProgress() as show:
-        return build_default_pack(progress=show)
+        pack = build_default_pack(progress=show)
+    if not validated:
+        return pack
+    from sandpool.envs.validate import VALIDATION_VERSION
+
+    # Validated once per pack (its directory is keyed by the pack digest) and grading version.
+    passing = pack.parent / f"validated.v{VALIDATION_VERSION}.jsonl"
+    if not passing.exists():
+        console.print("[bold]validate[/]: gold and empty patch on every task of the new pack (once)")
+        _validate(pack, passing, pack.parent / f"validation.v{VALIDATION_VERSION}.json", concurrency=2)
+    return passing
+
+
+def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int,
+              grade_timeout: float = 300.0) -> int:
+    from sandpool.core.backends.local import LocalBackend
+    from sandpool.envs.tasks import load_tasks, local_base_resolver
+    from sandpool.envs.validate import validate_tasks
+
+    rejected: list[RejectedTask] = []
+    task_list = load_tasks(path, rejected=rejected, resolve_base=local_base_resolver())
+    with Progress(TextColumn("[bold]validate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        job = bar.add_task("", total=len(task_list) * 2)
+        result = asyncio.run(validate_tasks(task_list, LocalBackend(), concurrency=concurrency,
+                                            grade_timeout=grade_timeout, rejected=rejected,
+                                            on_result=lambda r: bar.update(job, advance=1)))
+    result.write(tasks_out, report_out)
+    print(result.render_text())
+    console.print(f"passing tasks: {tasks_out}  verdicts: {report_out}")
+    return len(result.broken)
 
 
 @app.command()
 def run(
-    tasks: Annotated[str, typer.Option(help="SWE-bench JSONL file, or 'default' for the built-in pack.")] = "default",
+    tasks: Annotated[str, typer.Option(help="Task file (.jsonl/.json/.parquet of SWE-bench, R2E-Gym, SWE-smith or "
+                                            "sandpool rows), a hub dataset name, or 'default' for the built-in "
+                                            "pack (validated on its first build).")] = "default",
     rollouts: Annotated[int, typer.Option(help="Rollouts per task (k).")] = 4,
     limit: Annotated[int, typer.Option(help="Run only the first N tasks (0 = all).")] = 0,
     policy: Annotated[str, typer.Option(help="Comma-separated policies used round-robin: oracle, noop, chat.")] = "oracle,noop",
@@ -49,13 +81,13 @@ def run(
     from sandpool.core.backends.local import LocalBackend
     from sandpool.envs.policies import get_policy
     from sandpool.envs.runner import run_batch
-    from sandpool.envs.tasks import load_tasks
+    from sandpool.envs.tasks import load_tasks, local_base_resolver
 
     try:
-        path = _default_tasks() if tasks == "default" else Path(tasks)
+        path = _default_tasks(validated=True) if tasks == "default" else Path(tasks)
         rejected: list[RejectedTask] = []
         rows: dict[str, int] = {}
-        task_list = load_tasks(path, rejected=rejected, rows=rows)
+        task_list = load_tasks(path, rejected=rejected, rows=rows, resolve_base=local_base_resolver())
         if limit:
             task_list = task_list[:limit]
         policies = [get_policy(p.strip(), base_url=chat_url, model=model) for p in policy.split(",") if p.strip()]
@@ -95,6 +127,30 @@ def run(
     js, txt = report.write(out)
     print(report.render_text())
     console.print(f"reports: {txt}  {js}  {results_path}")
+
+
+@app.command()
+def validate(
+    tasks: Annotated[str, typer.Option(help="Task file or hub name (as for run), or 'default'.")] = "default",
+    out: Annotated[Path, typer.Option(help="Directory for validated.jsonl (the passing tasks) and validation.json.")] = Path("reports/validate"),
+    concurrency: Annotated[int, typer.Option(help="Rollouts at once.")] = 2,
+    grade_timeout: Annotated[float, typer.Option(help="Seconds for each grading test run.")] = 300.0,
+) -> None:
+    """Run the gold and the empty patch on every task; report broken tasks, write the passing ones.
+
+    A task is broken when its gold patch does not resolve it, when the empty patch does, or when
+    grading rejects it. Use the written validated.jsonl with ``sandpool run --tasks``. Exits 1
+    when any task is broken.
+    """
+    try:
+        path = _default_tasks() if tasks == "default" else Path(tasks)
+        broken = _validate(path, out / "validated.jsonl", out / "validation.json", concurrency=concurrency,
+                           grade_timeout=grade_timeout)
+    except (errors.InputError, errors.FatalError, FileNotFoundError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    if broken:
+        raise typer.Exit(1)
 
 
 @app.command("build-pack")

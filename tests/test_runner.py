@@ -97,14 +97,6 @@ def test_malformed_rows_name_the_row_and_field(tmp_path, calc_task):
     assert [r.row for r in rejected] == [2, 4] and "not valid JSON" in rejected[1].reason
 
 
-def test_swe_smith_style_rows_map_onto_the_task_fields(calc_task):
-    row = calc_task.model_dump(mode="json")
-    row["image_name"] = row.pop("image")
-    row["FAIL_TO_PASS"] = json.dumps(row["FAIL_TO_PASS"])  # SWE-bench ships JSON strings
-    task = parse_task(row)
-    assert task.image == calc_task.image and task.FAIL_TO_PASS == calc_task.FAIL_TO_PASS
-
-
 class _ScriptedChat(BaseHTTPRequestHandler):
     """An OpenAI-compatible endpoint that replies with a fixed script of messages."""
 

@@ -1,13 +1,15 @@
-"""Load tasks from SWE-bench-format JSONL, naming the row and field of any bad input.
+"""Load tasks from published datasets, naming the row and field of any bad input.
 
-R2E-Gym and SWE-smith rows map onto the SWE-bench columns through :data:`ALIASES`
-(``image_name`` / ``docker_image`` -> ``image``, ``repo_name`` -> ``repo``,
-``commit_hash`` -> ``base_commit``).
+SWE-bench (full, Lite, Verified), R2E-Gym and SWE-smith rows, and sandpool's own, from JSONL,
+JSON or Parquet files or a hub name; :mod:`sandpool.envs.datasets` maps each format onto the
+task fields (and derives the image where a row names none, as its harness does).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -15,12 +17,9 @@ from pydantic import ValidationError
 from sandpool.core.errors import TaskValidationError
 from sandpool.core.metrics import RejectedTask
 from sandpool.core.task import Task
+from sandpool.envs.datasets import ResolveBase, read_rows, row_to_task_fields
 
-__all__ = ["ALIASES", "load_tasks", "parse_task"]
-
-#: Column names used by R2E-Gym / SWE-smith rows, mapped to SWE-bench's.
-ALIASES = {"image_name": "image", "docker_image": "image", "repo_name": "repo",
-           "commit_hash": "base_commit"}
+__all__ = ["load_tasks", "local_base_resolver", "parse_task"]
 
 _FIXES = {
     "base_commit": "use the full 40-character lowercase hex commit id",
@@ -31,12 +30,16 @@ _FIXES = {
 }
 
 
-def parse_task(row: object, *, line: int | None = None) -> Task:
-    """Validate one row (a dict) into a :class:`Task`.
+def parse_task(row: object, *, line: int | None = None, resolve_base: ResolveBase | None = None) -> Task:
+    """Validate one published row (a dict) into a :class:`Task`.
+
+    The row may be in any format :mod:`sandpool.envs.datasets` reads (SWE-bench, R2E-Gym,
+    SWE-smith, sandpool); it is mapped onto the task fields first.
 
     Args:
-        row: The decoded JSON object.
-        line: 1-based line number for the error message.
+        row: The decoded row.
+        line: 1-based row number for the error message.
+        resolve_base: See :func:`load_tasks`.
 
     Raises:
         TaskValidationError: Naming the line, the field and the fix.
@@ -44,10 +47,7 @@ def parse_task(row: object, *, line: int | None = None) -> Task:
     where = f"row {line}" if line is not None else "task row"
     if not isinstance(row, dict):
         raise TaskValidationError(f"{where}: expected a JSON object, got {type(row).__name__}", row=line)
-    data = dict(row)
-    for alias, name in ALIASES.items():
-        if alias in data and name not in data:
-            data[name] = data.pop(alias)
+    data = row_to_task_fields(row, line=line, resolve_base=resolve_base)
     try:
         return Task.model_validate(data)
     except ValidationError as exc:
@@ -64,14 +64,19 @@ def parse_task(row: object, *, line: int | None = None) -> Task:
 
 
 def load_tasks(path: str | Path, *, rejected: list[RejectedTask] | None = None,
-               rows: dict[str, int] | None = None) -> list[Task]:
-    """Read a JSONL file of tasks.
+               rows: dict[str, int] | None = None, resolve_base: ResolveBase | None = None,
+               split: str | None = None) -> list[Task]:
+    """Read tasks from a dataset file or hub name (see :func:`sandpool.envs.datasets.read_rows`).
 
     Args:
-        path: The ``.jsonl`` file, one task per line (blank lines ignored).
+        path: A ``.jsonl``, ``.json`` or ``.parquet`` file of SWE-bench, R2E-Gym, SWE-smith or
+            sandpool rows, or a hub dataset name (``owner/name[:split]``).
         rejected: If given, bad rows are appended to it as :class:`RejectedTask` (so a run
             keeps and reports them) instead of raising on the first one.
         rows: If given, receives the 1-based row number of every valid task's ``instance_id``.
+        resolve_base: Maps ``(image, ref)`` to a commit for rows whose base only the image
+            knows (R2E-Gym, SWE-smith without ``base_commit``).
+        split: The hub split, when ``path`` is a hub name without one.
 
     Returns:
         The valid tasks, in file order.
@@ -79,20 +84,15 @@ def load_tasks(path: str | Path, *, rejected: list[RejectedTask] | None = None,
     Raises:
         TaskValidationError: A bad row or a repeated ``instance_id`` (when ``rejected`` is None).
         FileNotFoundError: No such file.
+        InputError: The hub dataset could not be loaded.
     """
     tasks: list[Task] = []
     seen: dict[str, int] = {}
-    for i, text in enumerate(Path(path).read_text().splitlines(), start=1):
-        if not text.strip():
-            continue
-        row: object = None
+    for i, row in read_rows(path, split=split):
         try:
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise TaskValidationError(f"row {i}: not valid JSON ({exc.msg} at column {exc.colno})",
-                                          row=i) from None
-            task = parse_task(row, line=i)
+            if isinstance(row, TaskValidationError):
+                raise row
+            task = parse_task(row, line=i, resolve_base=resolve_base)
             if task.instance_id in seen:
                 raise TaskValidationError(
                     f"row {i}: instance_id {task.instance_id!r} repeats row {seen[task.instance_id]}; "
@@ -109,3 +109,31 @@ def load_tasks(path: str | Path, *, rejected: list[RejectedTask] | None = None,
             rows[task.instance_id] = i
         tasks.append(task)
     return tasks
+
+
+def local_base_resolver(images_root: str | Path | None = None) -> ResolveBase:
+    """A ``resolve_base`` for local images: ``git rev-parse <ref>`` in the image's repo.
+
+    Args:
+        images_root: The local backend's images directory (default ``sandpool_home()/images``).
+
+    Returns:
+        A function ``(image, ref) -> commit or None`` (None: no such image or ref).
+    """
+    from sandpool.core.backends.local import image_dir
+    from sandpool.core.paths import sandpool_home
+
+    root = Path(images_root) if images_root else sandpool_home() / "images"
+
+    def resolve(image: str, ref: str) -> str | None:
+        meta = image_dir(root, image) / "image.json"
+        if not meta.exists():
+            return None
+        repo = json.loads(meta.read_text()).get("repo")
+        res = subprocess.run(["git", "-c", "core.hooksPath=/dev/null", "-C", str(repo), "rev-parse",
+                              "-q", "--verify", f"{ref}^{{commit}}"], capture_output=True, text=True,
+                             env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "GIT_CONFIG_NOSYSTEM": "1",
+                                  "HOME": "/nonexistent"})
+        return res.stdout.strip() or None
+
+    return resolve

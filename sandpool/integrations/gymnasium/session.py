@@ -155,7 +155,8 @@ def make_spaces(cfg: EnvConfig) -> tuple[spaces.Dict, spaces.Text]:
 
 
 def load_task_list(tasks: Any) -> list[Task]:
-    """Normalise the ``tasks=`` argument: a list of :class:`Task` (or dicts), or a JSONL path.
+    """Normalise the ``tasks=`` argument: a list of :class:`Task` (or published rows), or a task
+    file (``.jsonl``/``.json``/``.parquet`` of any format :mod:`sandpool.envs.datasets` reads).
 
     Raises:
         ConfigError: ``tasks`` is missing, empty or of the wrong type.
@@ -170,7 +171,9 @@ def load_task_list(tasks: Any) -> list[Task]:
         out = load_tasks(tasks)
     else:
         try:
-            out = [t if isinstance(t, Task) else Task.model_validate(t) for t in tasks]
+            from sandpool.envs.tasks import parse_task
+
+            out = [t if isinstance(t, Task) else parse_task(t) for t in tasks]
         except TypeError:
             raise errors.ConfigError(
                 f"tasks= must be a list of Task or a JSONL path, got {type(tasks).__name__}") from None
