@@ -52,8 +52,9 @@ SAFE_GIT = ("env -u GIT_DIR -u GIT_WORK_TREE -u GIT_INDEX_FILE -u GIT_OBJECT_DIR
             "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.attributesFile=/dev/null "
             "-c advice.detachedHead=false")
 _SEP = "@@sandpool-verify@@"
-# The Kubernetes backend's exec wrapper keeps its output files here (sandpool's own).
-_OWN_GIT_PATHS = (".git/sandpool-exec",)
+# sandpool's own, not the image's: the Kubernetes exec wrapper's output files, and on kwok
+# the directory bind-mounted at the pod's /tmp (sandpool.testing.kwok).
+_OWN_GIT_PATHS = (".git/sandpool-exec", ".git/sandpool-tmp")
 
 
 @dataclass(frozen=True)
