@@ -477,3 +477,13 @@ def test_interrupted_or_unclosed_process_leaves_no_sandbox(opts: dict, how: str)
     assert not _alive(state["pid"])
     assert step_pid is None or not _alive(step_pid)
     assert not Path(state["run_dir"]).exists()
+
+
+# -- backends by name ------------------------------------------------------------------------
+
+def test_unknown_backend_option_is_named_at_make(opts: dict) -> None:
+    kw = {k: v for k, v in opts.items() if k != "backend_options"}
+    with pytest.raises(errors.ConfigError, match="kubeconfg.*KubernetesBackend"):
+        gym.make(ENV_ID, backend="kubernetes", backend_options={"kubeconfg": "x"}, **kw)
+    with pytest.raises(errors.ConfigError, match="'docker' is not known.*'local', 'kubernetes'"):
+        gym.make(ENV_ID, backend="docker", **kw)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib
+import inspect
 import threading
 import time
 import weakref
@@ -28,34 +30,88 @@ from sandpool.core.pool import PoolLimits, PoolState, SandboxPool
 from sandpool.core.strategies import Strategy
 from sandpool.core.task import Task
 
-__all__ = ["BackgroundPool", "make_backend"]
+__all__ = ["BACKENDS", "BackgroundPool", "check_backend", "make_backend"]
 
 T = TypeVar("T")
 
 #: Seconds :meth:`BackgroundPool.close` waits for the pool to delete its sandboxes.
 _CLOSE_TIMEOUT_S = 120.0
+#: Seconds :meth:`BackgroundPool.close` lets closed sockets finish closing before it stops the loop.
+_DRAIN_TIMEOUT_S = 2.0
+
+
+#: The backend names ``backend=`` accepts (a :class:`~sandpool.core.base.Backend` instance also works).
+BACKENDS = ("local", "kubernetes")
+
+
+def _backend_class(name: str) -> type[Backend]:
+    if name == "local":
+        from sandpool.core.backends.local import LocalBackend
+
+        return LocalBackend
+    # Importing the name raises BackendUnavailable, naming the extra, without the client.
+    return importlib.import_module("sandpool.core.backends.kubernetes").KubernetesBackend
+
+
+def check_backend(backend: Backend | str, options: Mapping[str, Any] | None = None) -> None:
+    """Check ``backend``/``options`` as :func:`make_backend` would, without building anything.
+
+    Raises:
+        ConfigError: Unknown name, an option the backend does not take, or ``options``
+            given with an instance.
+        BackendUnavailable: The Kubernetes client library is not installed (names the extra).
+    """
+    if isinstance(backend, Backend):
+        if options:
+            raise errors.ConfigError("backend_options apply to a backend name, not to a Backend instance")
+        return
+    if backend not in BACKENDS:
+        raise errors.ConfigError(
+            f"backend={backend!r} is not known; use one of {list(BACKENDS)} or a Backend instance")
+    cls = _backend_class(backend)
+    try:
+        inspect.signature(cls).bind(**dict(options or {}))
+    except TypeError as exc:  # an unknown or missing keyword: name it and where they are listed
+        raise errors.ConfigError(
+            f"backend_options for backend={backend!r}: {exc}; see {cls.__module__}.{cls.__name__}"
+        ) from None
 
 
 def make_backend(backend: Backend | str, options: Mapping[str, Any] | None = None) -> Backend:
     """Return a backend instance for a name or pass an instance through.
 
     Args:
-        backend: ``"local"`` (bubblewrap) or a :class:`~sandpool.core.base.Backend`.
+        backend: ``"local"`` (bubblewrap), ``"kubernetes"`` (agent-sandbox or plain pods, see
+            :class:`~sandpool.core.backends.kubernetes.KubernetesBackend`) or a
+            :class:`~sandpool.core.base.Backend`.
         options: Keyword arguments for the named backend's constructor, e.g.
-            ``{"images_root": "/data/images"}``; not allowed with an instance.
+            ``{"images_root": "/data/images"}`` (local) or ``{"kubeconfig": "~/.kube/config",
+            "namespace": "rl", "image_map": ...}`` (kubernetes); not allowed with an instance.
 
     Raises:
-        ConfigError: Unknown name, or ``options`` given with an instance.
+        ConfigError: Unknown name, an option the backend does not take, or ``options`` given
+            with an instance.
+        BackendUnavailable: The Kubernetes client library is not installed (names the extra).
     """
+    check_backend(backend, options)
     if isinstance(backend, Backend):
-        if options:
-            raise errors.ConfigError("backend_options apply to a backend name, not to a Backend instance")
         return backend
-    if backend == "local":
-        from sandpool.core.backends.local import LocalBackend
+    return _backend_class(backend)(**dict(options or {}))
 
-        return LocalBackend(**dict(options or {}))
-    raise errors.ConfigError(f"backend={backend!r} is not known; use 'local' or a Backend instance")
+
+async def _close(pool: SandboxPool) -> None:
+    await pool.aclose()
+    # Sockets the backend closed (the Kubernetes client's TLS connections) finish closing on
+    # later loop iterations (the close_notify exchange); stopping the loop first would leave
+    # them open until garbage collection. Wait for the loop to hold none, briefly.
+    loop = asyncio.get_running_loop()
+    transports = getattr(loop, "_transports", None)  # selector loops' fd -> transport map
+    deadline = loop.time() + _DRAIN_TIMEOUT_S
+    while transports and any(not t.is_closing() for t in list(transports.values())):
+        if loop.time() > deadline:
+            return
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # a closing transport closes its socket on the next iteration
 
 
 def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: SandboxPool) -> None:
@@ -63,10 +119,10 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pool: S
     if loop.is_closed():
         return
     if threading.current_thread() is thread:  # collected on its own loop: cannot block here
-        loop.create_task(pool.aclose()).add_done_callback(lambda _: loop.stop())
+        loop.create_task(_close(pool)).add_done_callback(lambda _: loop.stop())
         return
     if thread.is_alive():
-        fut = asyncio.run_coroutine_threadsafe(pool.aclose(), loop)
+        fut = asyncio.run_coroutine_threadsafe(_close(pool), loop)
         try:
             fut.result(_CLOSE_TIMEOUT_S)
         except BaseException:  # noqa: BLE001 - shutting down; the backend's die-with-parent is the backstop
@@ -94,14 +150,16 @@ class BackgroundPool:
     Args:
         pool: An unopened pool that no event loop has used yet; default builds one from
             ``backend``, ``strategy`` and ``limits``.
-        backend: ``"local"`` or a :class:`~sandpool.core.base.Backend` (ignored with ``pool``).
+        backend: ``"local"``, ``"kubernetes"`` or a :class:`~sandpool.core.base.Backend`
+            (ignored with ``pool``); see :func:`make_backend`.
         strategy: ``"cold"``, ``"warm"``, ``"reuse"`` or a :class:`Strategy` (ignored with ``pool``).
         limits: Pool limits (ignored with ``pool``).
         backend_options: Constructor arguments for a named backend, e.g. ``images_root``.
 
     Raises:
-        BackendUnavailable: The backend's preflight failed.
-        ConfigError: Bad backend or strategy.
+        BackendUnavailable: The backend's preflight failed (e.g. no bubblewrap; a kubeconfig
+            that is missing or does not load, an unreachable cluster).
+        ConfigError: Bad backend, backend option or strategy.
     """
 
     def __init__(

@@ -32,7 +32,7 @@ from sandpool.core.metrics import Report
 from sandpool.core.pool import PoolLimits
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
-from sandpool.integrations.gymnasium.background import BackgroundPool
+from sandpool.integrations.gymnasium.background import BackgroundPool, check_backend
 from sandpool.integrations.gymnasium.session import EnvConfig, Session, load_task_list, make_spaces
 
 __all__ = ["SWEEnv"]
@@ -72,10 +72,6 @@ class _Owner:
             runner.close()
 
 
-def _check_backend(backend: Backend | str, strategy: str | Strategy) -> None:
-    if not isinstance(backend, (Backend, str)) or (isinstance(backend, str) and backend != "local"):
-        raise errors.ConfigError(f"backend={backend!r} is not known; use 'local' or a Backend instance")
-    get_strategy(strategy)
 
 
 def owner_for(
@@ -90,14 +86,18 @@ def owner_for(
     """Validate the pool arguments of an env and return its (lazy) :class:`_Owner`.
 
     Raises:
-        ConfigError: ``pool`` is not a :class:`BackgroundPool`, or a bad backend/strategy.
+        ConfigError: ``pool`` is not a :class:`BackgroundPool`, or a bad backend, backend
+            option or strategy.
+        BackendUnavailable: ``backend="kubernetes"`` without its client library.
     """
     if pool is not None and not isinstance(pool, BackgroundPool):
         raise errors.ConfigError(
             f"pool= must be a sandpool.integrations.gymnasium.BackgroundPool, got {type(pool).__name__}; "
             "wrap a fresh SandboxPool with BackgroundPool(pool) to share it between envs"
         )
-    _check_backend(backend, strategy)
+    if pool is None:  # a shared pool's backend and strategy are already built
+        check_backend(backend, backend_options)
+        get_strategy(strategy)
     if limits is None:
         limits = PoolLimits(max_live=get_strategy(strategy).max_live(concurrency))
     return _Owner(pool, {"backend": backend, "strategy": strategy, "limits": limits,
@@ -114,14 +114,18 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         tasks: A list of :class:`~sandpool.core.task.Task` (or row dicts), or a path to a
             ``tasks.jsonl``. ``reset`` picks one with the env's seeded RNG, or the one named by
             ``options={"task_id": ...}``.
-        backend: ``"local"`` (bubblewrap) or a :class:`~sandpool.core.base.Backend` instance
-            the env's pool will own (and close).
+        backend: ``"local"`` (bubblewrap), ``"kubernetes"`` (``backend_options`` are the
+            :class:`~sandpool.core.backends.kubernetes.KubernetesBackend` arguments:
+            ``kubeconfig``, ``namespace``, ``image_map``, ...) or a
+            :class:`~sandpool.core.base.Backend` instance the env's pool will own (and close).
         strategy: ``"cold"``, ``"warm"``, ``"reuse"`` or a :class:`Strategy`.
         max_steps: Steps per episode; the last one is graded and ends with ``truncated=True``.
         pool: A :class:`BackgroundPool` to share with other envs; the env then neither opens
             nor closes it. ``backend``, ``strategy``, ``limits``, ``backend_options`` are ignored.
         limits: Pool limits (default: the strategy's live cap for one env).
         backend_options: Constructor arguments of a named backend (e.g. ``images_root``).
+            Checked at construction; the backend's preflight (e.g. that the kubeconfig
+            exists and loads) runs at the first ``reset``, where the pool opens.
         step_timeout: Seconds one command may run (exit code 124 after).
         grade_timeout: Seconds the tests may run when grading.
         max_output_chars: Cap on each of ``stdout``/``stderr`` in an observation (characters).
