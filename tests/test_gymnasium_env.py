@@ -366,6 +366,41 @@ def test_failed_autoreset_keeps_the_other_sub_envs_results(opts: dict, task: Tas
         shared.close()
 
 
+def test_policy_that_kills_its_own_sandbox_is_scored_zero_not_unscored(opts: dict) -> None:
+    env = gym.make(ENV_ID, **opts)
+    try:
+        env.reset(seed=0)
+        _, reward, term, trunc, info = env.step("kill -9 -1")  # every process, the agent too
+        assert (reward, term, trunc) == (0.0, True, False)
+        assert info["task_failed"] and not info["infra_failed"]
+        assert info["error_kind"] == "sandbox_exhausted"
+        report = env.unwrapped.report()
+        assert report.failures["task_failed"] == 1 and report.failures["infra_failed"] == 0
+        assert report.rollouts[0].reward == 0.0
+    finally:
+        env.close()
+
+
+def test_autoreset_onto_a_task_that_cannot_run_is_rejected_and_keeps_the_batch(
+        opts: dict, task: Task) -> None:
+    bad = task.model_copy(update={"instance_id": "calc__calc-bad", "base_commit": "0" * 40})
+    # seed s seeds sub-env 0 with s: pick one whose first draw over [task, bad] is bad.
+    seed = next(s for s in range(100) if np.random.default_rng(s).integers(2) == 1)
+    envs = gym.make_vec(ENV_ID, num_envs=2, **{**opts, "tasks": [task, bad]})
+    try:
+        envs.reset(seed=seed, options={"task_ids": [task.instance_id, task.instance_id]})
+        envs.step(("submit", "echo a"))
+        obs, rew, term, trunc, info = envs.step(("ignored", "echo b"))
+        assert obs["stdout"][1] == "b\n" and rew[1] == 0.0
+        assert math.isnan(rew[0]) and trunc[0] and info["reset_failed"][0]
+        assert info["rejected"][0] and not info["infra_failed"][0]
+        assert info["task_id"][0] == bad.instance_id
+        failures = envs.report().failures
+        assert failures["rejected"] == 1 and failures["completed"] == 1
+    finally:
+        envs.close()
+
+
 # -- cleanup -----------------------------------------------------------------------------------
 
 def test_close_deletes_every_sandbox_and_stops_the_thread(opts: dict) -> None:

@@ -268,8 +268,8 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         if self._session is None:
             raise gym.error.ResetNeeded("call reset() before step()")
         out = self._owner.ensure_runner().run(self._session.step(str(action)))
-        if out.infra_error is not None and self.config.on_infra_failure == "raise":
-            raise out.infra_error
+        if out.unscored is not None and self.config.on_infra_failure == "raise":
+            raise out.unscored
         return out.obs, out.reward, out.terminated, out.truncated, out.info
 
     def write_file(self, path: str, data: bytes | str) -> None:

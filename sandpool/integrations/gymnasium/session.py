@@ -22,14 +22,21 @@ Episode, from the policy's side:
     ``info["infra_failed"]=True``, ``info["error_kind"]`` and ``info["error"]``. A NaN
     poisons any return or loss it enters, so an unmasked failure shows up at once instead
     of teaching the policy that its actions scored 0.
-  * ``"raise"``: ``step`` raises the :class:`~sandpool.core.errors.InfraError` (the episode
-    is over; call ``reset``).
+  * ``"raise"``: ``step`` raises the error (an :class:`~sandpool.core.errors.InfraError`;
+    the episode is over; call ``reset``).
   * ``"truncate"``: reward ``0.0``, ``truncated=True``, the same ``info`` flags. Opt in only
     if the trainer masks ``info["infra_failed"]`` itself: read without the mask, the 0.0 is
     indistinguishable from a failed attempt.
 
-  Which errors are infra is decided by the core's failure classification (the
-  :mod:`sandpool.core.errors` tree), not here.
+* An error the classifier lays on the task's input (e.g. ``BrokenTaskError``, a task that
+  cannot be graded) ends the episode the same way, flagged ``info["rejected"]`` instead of
+  ``info["infra_failed"]``, and is recorded ``rejected``: not a score either.
+* The policy's own failure (``SandboxExhausted``: its processes killed the sandbox's agent
+  or exhausted it; ``TamperingSuspected`` at grading) *is* a score: reward ``0.0``,
+  ``terminated=True``, ``info["task_failed"]=True``, recorded ``task_failed``.
+
+Whose fault an error is comes from the core's one classifier
+(:func:`sandpool.core.classify.classify`), never from this module.
 """
 
 from __future__ import annotations
@@ -38,22 +45,24 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import numpy as np
 from gymnasium import spaces
 
 from sandpool.core import errors
+from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
 from sandpool.core.pool import Lease
 from sandpool.core.task import Task
 from sandpool.integrations.gymnasium._text import CHARSET, to_text, truncate
 from sandpool.integrations.gymnasium.background import BackgroundPool
 
-__all__ = ["INFRA_FAILURE_MODES", "EnvConfig", "Session", "StepOutput", "is_infra", "load_task_list",
-           "make_spaces"]
+__all__ = ["INFRA_FAILURE_MODES", "EnvConfig", "Session", "StepOutput", "load_task_list", "make_spaces",
+           "verdict"]
 
-#: The values of ``on_infra_failure`` -> the reward ``step`` reports for an infra failure.
+#: The values of ``on_infra_failure`` -> the reward ``step`` reports for an unscored end
+#: (an infra failure, or a task found broken).
 INFRA_FAILURE_MODES: dict[str, float] = {"nan": float("nan"), "raise": float("nan"), "truncate": 0.0}
 
 #: ``exit_code`` in the observation before any command ran in the episode (and on submit).
@@ -62,9 +71,11 @@ _PROBE = "true"  # the first command of an episode; its answer ends TTFC
 _PROBE_TIMEOUT_S = 30.0
 
 
-def is_infra(exc: BaseException) -> TypeGuard[errors.InfraError]:
-    """True when ``exc`` is an infra failure: retried, reported ``infra_failed``, never scored."""
-    return isinstance(exc, errors.InfraError)
+def verdict(exc: BaseException) -> Verdict | None:
+    """The core classifier's verdict on ``exc``; ``None`` for an interrupt or a cancellation
+    (``KeyboardInterrupt``, ``asyncio.CancelledError``), which is no rollout's failure and
+    propagates."""
+    return classify(exc) if isinstance(exc, Exception) else None
 
 
 @dataclass(frozen=True)
@@ -186,8 +197,8 @@ def load_task_list(tasks: Any) -> list[Task]:
 class StepOutput:
     """What one env step returns, before the vector env batches it.
 
-    ``infra_error`` is set when infra failed: the env raises it with
-    ``on_infra_failure="raise"``.
+    ``unscored`` is the error that ended the episode without a score (infra, or a broken
+    task): the env raises it with ``on_infra_failure="raise"``.
     """
 
     obs: dict[str, Any]
@@ -195,7 +206,7 @@ class StepOutput:
     terminated: bool
     truncated: bool
     info: dict[str, Any]
-    infra_error: errors.InfraError | None = None
+    unscored: Exception | None = None
 
 
 class Session:
@@ -256,21 +267,27 @@ class Session:
             from the claim request to the first command's result) and ``claims`` (attempts).
 
         Raises:
-            InfraError: Every claim attempt failed (each failure is counted by the pool).
-            InputError: The task cannot run (unknown image, bad ``base_commit``).
+            InfraError: Every claim attempt failed (each failure is counted by the pool; the
+                rollout is recorded ``infra_failed``).
+            InputError: The task cannot run (unknown image, bad ``base_commit``); recorded
+                ``rejected``.
         """
         await self.release()  # an abandoned episode's sandbox is reset in place like any other
         self.task, self.steps, self.done = task, 0, True
         self._problem = truncate(to_text(task.problem_statement), self.cfg.max_problem_chars)[0]
-        last: errors.InfraError | None = None
+        last: Exception | None = None
         for attempt in range(1, self.cfg.claim_retries + 2):
             self._t0 = time.monotonic()
             try:
                 self.lease = await self.runner.pool.acquire(task)
                 await self.lease.exec(_PROBE, timeout=_PROBE_TIMEOUT_S)
             except BaseException as exc:
-                if not is_infra(exc):  # interrupted, or not infra: the claim is not kept
+                v = verdict(exc)
+                if v is not Verdict.INFRA:  # interrupted, or not infra: the claim is not kept
                     await asyncio.shield(self.release(reusable=False))
+                    if v is Verdict.INPUT:  # the task cannot run: it is rejected, with why
+                        self._ttfc, self._sandbox_id = None, None
+                        self._record(Outcome.REJECTED, None, error=exc)
                     raise
                 last = exc  # already counted by the pool or the lease
                 await self.release(reusable=False)
@@ -306,6 +323,7 @@ class Session:
 
         Raises:
             gymnasium.error.ResetNeeded: No episode is running (call ``reset``).
+            FatalError: The backend cannot run sandboxes any more (the pool was closed...).
         """
         from gymnasium.error import ResetNeeded
 
@@ -314,7 +332,8 @@ class Session:
         lease, task = self.lease, self.task
         self.steps += 1
         info: dict[str, Any] = {"task_id": task.instance_id, "step": self.steps, "timed_out": False,
-                                "output_truncated": False, "infra_failed": False}
+                                "output_truncated": False, "infra_failed": False,
+                                "task_failed": False, "rejected": False}
         try:
             if action.strip() == self.cfg.submit_command:
                 obs, _ = self._obs()
@@ -329,9 +348,12 @@ class Session:
                 return StepOutput(obs, reward, False, True, info)
             return StepOutput(obs, 0.0, False, False, info)
         except BaseException as exc:
-            if is_infra(exc):
-                return await self._infra_failed(exc, info)
-            # Interrupted mid-command (KeyboardInterrupt, cancellation), or not infra: the
+            v = verdict(exc)
+            if v is Verdict.INFRA or v is Verdict.INPUT:
+                return await self._unscored(exc, v, info)
+            if v is Verdict.POLICY:
+                return await self._policy_failed(exc, info)
+            # Interrupted mid-command (KeyboardInterrupt, cancellation), or fatal: the
             # sandbox may still run the command, so it is not handed back for reuse.
             self.done = True
             await asyncio.shield(self.release(reusable=False))
@@ -343,9 +365,11 @@ class Session:
 
         try:
             result = await grade(self.lease, self.task, timeout=self.cfg.grade_timeout)
-        except errors.TaskError as exc:
+        except Exception as exc:
+            if classify(exc) is not Verdict.POLICY:
+                raise  # infra or a broken task: step() reports it unscored
             self._record(Outcome.TASK_FAILED, 0.0, error=exc)
-            info.update(resolved=False, error_kind=exc.kind, error=str(exc))
+            info.update(resolved=False, task_failed=True, error_kind=error_kind(exc), error=str(exc))
             self.done = True
             await self.release()
             return 0.0
@@ -358,25 +382,36 @@ class Session:
         await self.release()
         return float(result.reward)
 
-    async def _infra_failed(self, exc: errors.InfraError, info: dict[str, Any]) -> StepOutput:
-        self._record(Outcome.INFRA_FAILED, None, error=exc)
+    async def _unscored(self, exc: Exception, v: Verdict, info: dict[str, Any]) -> StepOutput:
+        assert v.outcome is not None
+        self._record(v.outcome, None, error=exc)
         self.done = True
         await self.release(reusable=False)
         obs, _ = self._obs()
-        return self.infra_failure(exc, obs, info)
+        return self.unscored_step(exc, obs, info)
 
-    def infra_failure(self, exc: errors.InfraError, obs: dict[str, Any],
-                      info: dict[str, Any]) -> StepOutput:
-        """The step result that reports ``exc`` as ``on_infra_failure`` says (not recorded here)."""
-        info.update(infra_failed=True, error_kind=exc.kind, error=str(exc))
+    def unscored_step(self, exc: Exception, obs: dict[str, Any], info: dict[str, Any]) -> StepOutput:
+        """The step result that reports an unscored end (``exc`` classified infra or input) as
+        ``on_infra_failure`` says. Records nothing: the caller has."""
+        v = classify(exc)
+        info.update(infra_failed=v is Verdict.INFRA, rejected=v is Verdict.INPUT,
+                    error_kind=error_kind(exc), error=str(exc))
         return StepOutput(obs, INFRA_FAILURE_MODES[self.cfg.on_infra_failure], False, True, info,
-                          infra_error=exc)
+                          unscored=exc)
 
-    def _record(self, outcome: Outcome, reward: float | None,
-                error: errors.SandpoolError | None = None) -> None:
+    async def _policy_failed(self, exc: Exception, info: dict[str, Any]) -> StepOutput:
+        # The policy's own doing (it killed or exhausted its sandbox): a score of 0, terminal.
+        self._record(Outcome.TASK_FAILED, 0.0, error=exc)
+        info.update(task_failed=True, resolved=False, error_kind=error_kind(exc), error=str(exc))
+        self.done = True
+        await self.release(reusable=False)
+        obs, _ = self._obs()
+        return StepOutput(obs, 0.0, True, False, info)
+
+    def _record(self, outcome: Outcome, reward: float | None, error: Exception | None = None) -> None:
         assert self.task is not None
         self.runner.results.append(RolloutResult(
             task_id=self.task.instance_id, outcome=outcome, reward=reward, ttfc_s=self._ttfc,
             duration_s=time.monotonic() - self._t0, sandbox_id=self._sandbox_id,
-            error_kind=error.kind if error else None, error=str(error) if error else None,
+            error_kind=error_kind(error) if error else None, error=str(error) if error else None,
         ))

@@ -49,6 +49,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from sandpool.core import errors
 from sandpool.core.base import Backend, Sandbox
+from sandpool.core.classify import Verdict
 from sandpool.core.metrics import Report
 from sandpool.core.pool import PoolLimits
 from sandpool.core.strategies import Strategy
@@ -59,9 +60,9 @@ from sandpool.integrations.gymnasium.session import (
     EnvConfig,
     Session,
     StepOutput,
-    is_infra,
     load_task_list,
     make_spaces,
+    verdict,
 )
 
 __all__ = ["SWEVectorEnv"]
@@ -298,24 +299,25 @@ class SWEVectorEnv(VectorEnv):
         terminated = np.zeros(self.num_envs, dtype=np.bool_)
         truncated = np.zeros(self.num_envs, dtype=np.bool_)
         infos: dict[str, Any] = {}
-        other: BaseException | None = None  # not an infra failure: raised once the batch is kept
-        infra: list[errors.InfraError] = []
+        other: BaseException | None = None  # raised once the rest of the batch is kept
+        unscored: list[Exception] = []
         for i, r in enumerate(results):
             if isinstance(r, BaseException):
-                if not (resetting[i] and is_infra(r)):
+                if not (resetting[i] and verdict(r) in (Verdict.INFRA, Verdict.INPUT)):
                     other = other or r
                     continue
-                # The autoreset's claims all failed (already recorded as infra_failed):
-                # reported like an infra failure mid-episode; the next step resets again.
+                # The autoreset failed (every claim failed, or the drawn task cannot run;
+                # already recorded): reported like an unscored end mid-episode, and the next
+                # step resets again.
                 session = self._sessions[i]
                 tid = session.task.instance_id if session.task else None
-                r = session.infra_failure(r, self._env_obs[i] or {},
+                r = session.unscored_step(r, self._env_obs[i] or {},
                                           {"task_id": tid, "reset_failed": True})
             if isinstance(r, StepOutput):
                 self._env_obs[i], info = r.obs, r.info
                 rewards[i], terminated[i], truncated[i] = r.reward, r.terminated, r.truncated
-                if r.infra_error is not None:
-                    infra.append(r.infra_error)
+                if r.unscored is not None:
+                    unscored.append(r.unscored)
             else:
                 self._env_obs[i], info = r
             infos = self._add_info(infos, info, i)
@@ -323,8 +325,8 @@ class SWEVectorEnv(VectorEnv):
         if other is not None:
             raise other
         batch = (self._batch_obs(), rewards, terminated, truncated, infos)
-        if infra and self.config.on_infra_failure == "raise":
-            exc = infra[0]
+        if unscored and self.config.on_infra_failure == "raise":
+            exc = unscored[0]
             exc.step_results = batch  # type: ignore[attr-defined]
             raise exc
         return batch
