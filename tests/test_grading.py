@@ -192,11 +192,15 @@ async def test_grade_scores_zero_when_the_policy_tree_rejects_a_test_patch_that_
     assert result.reward == 0.0 and result.error is not None and "did not apply" in result.error
 
 
-async def test_grade_scores_zero_when_the_policy_destroyed_the_repo(local_backend, calc_task):
+async def test_grade_restores_a_git_directory_the_policy_destroyed_and_grades_its_tree(local_backend, calc_task):
     sb = await _at_base(local_backend, calc_task)
     assert (await sb.exec("rm -rf .git", timeout=30)).ok
-    result = await grade(sb, calc_task, timeout=120)
-    assert result.reward == 0.0 and result.error is not None and "restoring" in result.error
+    before = await grade(sb, calc_task, timeout=120)
+    assert (before.reward, before.error) == (0.0, None)
+    await _apply(sb, calc_task.patch)
+    assert (await sb.exec("rm -rf .git", timeout=30)).ok
+    after = await grade(sb, calc_task, timeout=120)
+    assert (after.reward, after.error, after.tampering) == (1.0, None, ())
 
 
 async def test_grade_scores_zero_on_a_test_timeout(local_backend, calc_task):

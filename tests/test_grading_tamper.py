@@ -144,7 +144,9 @@ async def test_an_untracked_pytest_config_that_loads_a_forging_plugin_is_removed
     assert (await sb.exec(f"test -e {path}", timeout=10)).exit_code == 1
 
 
-async def test_planted_git_hooks_filters_and_fsmonitor_never_run_during_grading(local_backend, calc_task):
+@pytest.mark.parametrize("surface", ["sandbox", "bare-exec"])
+async def test_planted_git_hooks_filters_and_fsmonitor_never_run_during_grading(local_backend, calc_task, surface):
+    # "sandbox": .git is restored first; "bare-exec": no restore, prepare.py's private git dir alone.
     sb = await _at_base(local_backend, calc_task)
     marker = "/tmp/planted-ran"
     script = f"#!/bin/sh\necho \"$0\" >> {marker}\ncat\n"
@@ -163,7 +165,7 @@ async def test_planted_git_hooks_filters_and_fsmonitor_never_run_during_grading(
     await sb.write_file("test_calc.py", b"def test_add():\n    pass\n\n\ndef test_zero():\n    pass\n")
     await sb.write_file("calc.py", b"def add(a, b):\n    return a + b\n")
     await sb.exec(f"rm -f {marker}", timeout=10)
-    result = await grade(sb, calc_task, timeout=120)
+    result = await grade(sb if surface == "sandbox" else _BareExec(sb), calc_task, timeout=120)
     ran = await sb.exec(f"cat {marker}", timeout=10)
     assert ran.exit_code == 1, f"a planted hook or filter ran: {ran.text}"
     assert result.reward == 1.0, result
@@ -172,16 +174,32 @@ async def test_planted_git_hooks_filters_and_fsmonitor_never_run_during_grading(
     assert "assert add(1, 2) == 3" in body
 
 
-async def test_an_altered_object_in_the_repository_is_found(local_backend, calc_task):
+class _BareExec:
+    """Only the exec surface of a sandbox: grading cannot restore .git through it."""
+
+    def __init__(self, sb):
+        self._sb = sb
+        self.exec, self.read_file, self.write_file = sb.exec, sb.read_file, sb.write_file
+
+
+_ALTER = ("blob=$(git rev-parse {base}:test_calc.py) && other=$(git rev-parse {base}:calc.py) && "
+          "p=.git/objects/${{blob:0:2}}/${{blob:2}} && o=.git/objects/${{other:0:2}}/${{other:2}} && "
+          "test -f $p && chmod u+w $p && cp $o $p")
+
+
+async def test_an_altered_object_is_repaired_before_grading(local_backend, calc_task):
     sb = await _at_base(local_backend, calc_task)
-    # Replace the loose blob of test_calc.py at base with another object's bytes.
-    res = await sb.exec(
-        f"blob=$(git rev-parse {calc_task.base_commit}:test_calc.py) && other=$(git rev-parse "
-        f"{calc_task.base_commit}:calc.py) && p=.git/objects/${{blob:0:2}}/${{blob:2}} && "
-        "o=.git/objects/${other:0:2}/${other:2} && test -f $p && chmod u+w $p && cp $o $p",
-        timeout=10)
-    assert res.ok, res.err_text
+    await sb.write_file("test_calc.py", b"def test_add():\n    pass\n\n\ndef test_zero():\n    pass\n")
+    assert (await sb.exec(_ALTER.format(base=calc_task.base_commit), timeout=10)).ok
     result = await grade(sb, calc_task, timeout=120)
+    assert (result.reward, result.failed_f2p) == (0.0, ("test_calc.py::test_add",))
+    assert "assert add(1, 2) == 3" in (await sb.read_file("test_calc.py")).decode()
+
+
+async def test_without_a_git_restore_an_altered_object_is_found_by_its_hash(local_backend, calc_task):
+    sb = await _at_base(local_backend, calc_task)
+    assert (await sb.exec(_ALTER.format(base=calc_task.base_commit), timeout=10)).ok
+    result = await grade(_BareExec(sb), calc_task, timeout=120)
     assert result.reward == 0.0 and result.error and "altered" in result.error
     assert result.tampering
 

@@ -68,18 +68,22 @@ async def test_a_policy_that_breaks_grading_is_task_failed_with_the_graders_erro
         test_images_root, calc_task, tmp_path):
     from sandpool.envs.policies import Policy
 
-    class DestroyRepo(Policy):
-        name = "destroy"
+    add = ("diff --git a/test_more.py b/test_more.py\nnew file mode 100644\n--- /dev/null\n"
+           "+++ b/test_more.py\n@@ -0,0 +1,2 @@\n+def test_more():\n+    assert True\n")
+    task = calc_task.model_copy(update={"test_patch": add, "FAIL_TO_PASS": ("test_more.py::test_more",)})
+
+    class PreCreate(Policy):  # writes the file the test patch adds: the patch cannot apply
+        name = "precreate"
 
         async def act(self, sandbox, task):
-            await sandbox.exec("rm -rf .git", timeout=30)
+            await sandbox.write_file("test_more.py", b"def test_more():\n    pass\n")
 
     results = tmp_path / "rollouts.jsonl"
-    report = await run_batch([calc_task], [DestroyRepo()], LocalBackend(test_images_root),
+    report = await run_batch([task], [PreCreate()], LocalBackend(test_images_root),
                              rollouts_per_task=1, concurrency=1, results_path=results)
     [r] = report.rollouts
     assert (r.outcome, r.reward) == (Outcome.TASK_FAILED, 0.0)
-    assert r.error and "restoring test files failed" in r.error
+    assert r.error and "test_patch did not apply" in r.error
     assert json.loads(results.read_text())["error"] == r.error
 
 

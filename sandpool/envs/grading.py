@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Protocol
 
 from sandpool.core import errors
-from sandpool.core.base import ExecResult
+from sandpool.core.base import ExecResult, Sandbox
+from sandpool.core.reset import restore_git_metadata
 from sandpool.core.task import Task
 from sandpool.envs.harness import TestPlan, plan_for
 from sandpool.envs.verdict import cross_check, read_signed_report, runner_check
@@ -262,10 +263,16 @@ _ACTIVATE = ("if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda
              "&& conda activate testbed; fi")
 
 
-async def _kill_strays(sandbox: _Execs) -> None:
-    # A process the policy left running could race grading (read the key file, rewrite
-    # restored files); the sandbox's agent kills every other process first.
+async def _restore_git(sandbox: _Execs) -> None:
+    # First kill the processes the policy left (one could race grading: read the key file,
+    # rewrite restored files), then make .git the image's (config, hooks, info/attributes,
+    # refs, objects): core.reset.restore_git_metadata does both. A bare exec surface (no
+    # Sandbox behind it) gets only the kill; prepare.py's private git dir and hash-verified
+    # reads then stand alone.
     target = getattr(sandbox, "sandbox", sandbox)
+    if isinstance(target, Sandbox):
+        await restore_git_metadata(target)
+        return
     kill = getattr(target, "kill_strays", None)
     if kill is not None:
         await kill()
@@ -274,7 +281,8 @@ async def _kill_strays(sandbox: _Execs) -> None:
 async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> GradeResult:
     """Grade the current state of ``sandbox`` against ``task`` as the task's harness does.
 
-    Steps: kill the policy's leftover processes; run ``sandbox_side/prepare.py`` (restore
+    Steps: kill the policy's leftover processes and restore ``.git`` to the image's
+    (:func:`sandpool.core.reset.restore_git_metadata`); run ``sandbox_side/prepare.py`` (restore
     the harness's reset files and all test configuration from ``base_commit`` through a
     private git directory, so no planted hook, filter or config runs; delete test
     configuration the base does not have; check the test patch applies to the pristine base,
@@ -298,11 +306,12 @@ async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> Grade
     Raises:
         BrokenTaskError: The task cannot be graded as given, shown on its pristine tree: no
             test command, no tests listed, or the test patch does not apply to base_commit.
-        InfraError: The sandbox died or the command channel failed (never scored), or the
-            test log was too long to capture whole.
+        InfraError: The sandbox died or the command channel failed (never scored), ``.git``
+            could not be restored to the image's (``ResetError``), or the test log was too
+            long to capture whole.
     """
     plan = plan_for(task)
-    await _kill_strays(sandbox)
+    await _restore_git(sandbox)
     f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
     wd = task.workdir
     d = f"/tmp/.sandpool-grade-{secrets.token_hex(8)}"
