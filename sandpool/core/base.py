@@ -70,12 +70,15 @@ class ResourceLimits:
         memory_bytes: Memory limit in bytes.
         pids: Maximum number of processes and threads.
         network: Whether the sandbox gets network access (off by default).
+        disk_bytes: Cap in bytes on what the sandbox may write (its overlay upper layer and
+            ``/tmp``); a write past it fails with ENOSPC inside the sandbox. 0 = no cap.
     """
 
     cpus: float = 1.0
     memory_bytes: int = 2 * 2**30
     pids: int = 512
     network: bool = False
+    disk_bytes: int = 10 * 2**30
 
 
 class SandboxState(enum.Enum):

@@ -20,6 +20,7 @@ SandpoolError
 │   ├── TamperingSuspected      grading's verdict sources disagree (structured report, log,
 │   │                           exit status, counts): scored not resolved, evidence kept
 │   ├── SandboxFileError        a file operation failed on the policy's path (errno: EACCES, EROFS, ...)
+│   │   └── DiskQuotaExceeded   ENOSPC/EDQUOT: the policy filled its sandbox's disk quota
 │   └── SandboxExhausted        the policy's processes killed or starved the sandbox (fork bomb, kill)
 └── FatalError                  give up: the environment cannot run sandboxes at all
     ├── BackendUnavailable      bubblewrap missing, CRDs missing, RBAC denied, ...
@@ -41,6 +42,7 @@ __all__ = [
     "BackendUnavailable",
     "BrokenTaskError",
     "ConfigError",
+    "DiskQuotaExceeded",
     "ExecTransportError",
     "FatalError",
     "ImageNotFound",
@@ -239,9 +241,18 @@ class _FileExists(SandboxFileError, FileExistsError):
     pass
 
 
+class DiskQuotaExceeded(SandboxFileError):
+    """``ENOSPC`` (or ``EDQUOT``) inside a sandbox: the policy wrote more than the sandbox's
+    disk quota (``ResourceLimits.disk_bytes``). The policy's result; the sandbox stays usable
+    and its in-place reset frees what was written."""
+
+    kind = "disk_quota"
+
+
 _BY_ERRNO: dict[int, type[SandboxFileError]] = {
     _errno.ENOENT: _FileNotFound, _errno.EACCES: _Permission, _errno.EPERM: _Permission,
     _errno.EISDIR: _IsADirectory, _errno.ENOTDIR: _NotADirectory, _errno.EEXIST: _FileExists,
+    _errno.ENOSPC: DiskQuotaExceeded, _errno.EDQUOT: DiskQuotaExceeded,
 }
 
 

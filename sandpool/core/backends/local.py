@@ -12,7 +12,16 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
   ``/opt/sandpool/image`` (the in-place reset's restore source), a private ``/tmp`` and
   ``/dev/shm``, a private mqueue at ``/dev/mqueue``, and nothing else writable;
 * CPU, memory and pid limits from its own cgroup, joined before bubblewrap starts; its
-  commands run one level down (``_cgroup``), so a fork or memory bomb cannot starve the agent.
+  commands run one level down (``_cgroup``), so a fork or memory bomb cannot starve the agent;
+* a disk quota (``ResourceLimits.disk_bytes``): the overlay's upper layer and ``/tmp`` live on
+  a per-sandbox loop-mounted filesystem of that size (``_quota``), so a rollout that writes too
+  much gets ENOSPC inside its sandbox (``write_file`` raises :class:`DiskQuotaExceeded`) and
+  the host disk is never filled; the sandbox stays usable and the in-place reset frees it.
+
+OCI images hydrated into the image store (``sandpool images pull``, :mod:`sandpool.core.images`)
+are started the same way with their own root filesystem as ``/`` and root inside mapped to an
+unprivileged host uid; see ``_oci``. A name is looked up as an image directory first, then in
+the image store.
 
 An image is a directory ``<images_root>/<safe-name>/`` holding ``image.json``, ``repo/`` and
 ``venv/`` (see :class:`LocalImage`); building one is hydration, done before rollouts ask.
@@ -24,8 +33,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import ctypes
-import ctypes.util
 import itertools
 import json
 import os
@@ -42,8 +49,11 @@ from pathlib import Path, PurePosixPath
 from pydantic import BaseModel, ValidationError
 
 from sandpool.core import errors
-from sandpool.core.backends import _cgroup, _overlay
+from sandpool.core.backends import _cgroup, _oci, _overlay, _quota
 from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox
+from sandpool.core.images import ID_BASE, ImageStore, OciImage
+from sandpool.core.mounts import mount_overlay
+from sandpool.core.mounts import umount as _umount
 from sandpool.core.paths import sandpool_home
 
 __all__ = ["LocalBackend", "LocalImage", "LocalSandbox", "image_dir"]
@@ -55,9 +65,6 @@ _IMAGE_IN_SANDBOX = "/opt/sandpool/image"
 _SANDBOX_UID = 1000
 _TRANSPORT_GRACE_S = 10.0
 _STREAM_LIMIT = 256 << 20  # bytes; one response line carries a whole (base64) output
-_MNT_DETACH = 2
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 
 
 def image_dir(images_root: Path, name: str) -> Path:
@@ -99,14 +106,18 @@ class LocalSandbox(Sandbox):
     scratch = ("/tmp", "/dev/shm", "/dev/mqueue")
     private_ipc = True
 
-    def __init__(self, sid: str, image: LocalImage, proc: asyncio.subprocess.Process,
-                 state_dir: Path) -> None:
+    def __init__(self, sid: str, image: LocalImage | OciImage, proc: asyncio.subprocess.Process,
+                 state_dir: Path, upper: Path | None = None) -> None:
         self.id = sid
         self.image = image.name
-        self._lower = image.repo
-        self.workdir = image.workdir
+        self._lower = None if isinstance(image, OciImage) else image.repo
+        self.workdir = image.repo_dir if isinstance(image, OciImage) else image.workdir
         self.head = image.head
         self.state_dir = state_dir
+        #: Host path of the overlay's upper layer (what the rollout changed), for reset checks.
+        self.upper = upper
+        #: The OCI image it runs, or None for an image directory.
+        self.oci = image if isinstance(image, OciImage) else None
         self._proc = proc
         self._pending: dict[int, asyncio.Future[dict]] = {}
         self._ids = itertools.count(1)
@@ -273,7 +284,7 @@ class LocalSandbox(Sandbox):
         """SIGKILL every process but the agent; return how many were signalled."""
         return int((await self._call("kill_strays", 30.0))["killed"])
 
-    async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str]:
+    async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str] | None:
         """Make the repo at or below ``under`` identical to the image's; see :meth:`Sandbox.restore_repo`.
 
         The overlay's upper layer, read on the host, lists what the rollout changed
@@ -281,7 +292,11 @@ class LocalSandbox(Sandbox):
         (bind-mounted read-only) through the merged view; then the upper layer is compared
         with the image again, on the host, out of the policy's reach. Cost: O(paths changed).
         """
-        upper = self.state_dir / "upper"
+        if self._lower is None or self.upper is None:
+            # An OCI image's repo may span several layers: the generic path (a pristine
+            # record taken when the sandbox was fresh) restores and verifies it instead.
+            return None
+        upper = self.upper
         changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under)
         if not changes:
             return []
@@ -310,6 +325,8 @@ class LocalBackend(Backend):
         bwrap: The bubblewrap executable.
         require_limits: Refuse to run when no cgroup hierarchy is writable (default). Set
             False to run without CPU/memory/pid limits, e.g. unprivileged in a container.
+        store: The OCI image store consulted for names that are not image directories
+            (default ``ImageStore()``, under ``sandpool_home()/oci-v1``).
     """
 
     name = "local"
@@ -323,6 +340,7 @@ class LocalBackend(Backend):
         start_timeout: float = 30.0,
         bwrap: str = "bwrap",
         require_limits: bool = True,
+        store: ImageStore | None = None,
     ) -> None:
         self.images_root = Path(images_root) if images_root else sandpool_home() / "images"
         self.limits = limits
@@ -332,7 +350,8 @@ class LocalBackend(Backend):
         self.start_timeout = start_timeout
         self.bwrap = bwrap
         self.require_limits = require_limits
-        self._images: dict[str, LocalImage] = {}
+        self.store = store or ImageStore()
+        self._images: dict[str, LocalImage | OciImage] = {}
         self._live: dict[str, LocalSandbox] = {}
         self._seq = itertools.count(1)
         self._cgroups = _cgroup.detect(f"sandpool/{self.run_id}")
@@ -368,19 +387,27 @@ class LocalBackend(Backend):
         (self._run_dir / "owner.pid").write_text(str(os.getpid()))
         self._preflight_ok = True
 
-    def image(self, name: str) -> LocalImage:
-        """Load and cache ``image.json`` of image ``name``.
+    def image(self, name: str) -> LocalImage | OciImage:
+        """Load and cache image ``name``: an image directory's ``image.json``, else an OCI
+        image from the store.
 
         Raises:
-            ImageNotFound: No built image of that name; the message says how to build one.
+            ImageNotFound: No built or hydrated image of that name; the message says how to
+                get one.
         """
         if name in self._images:
             return self._images[name]
         path = image_dir(self.images_root, name) / "image.json"
         if not path.exists():
+            oci = self.store.resolve(name)
+            if oci is not None:
+                self._images[name] = oci
+                return oci
             raise errors.ImageNotFound(
-                f"image {name!r} is not built under {self.images_root} (no {path.name}); "
-                "build the task pack first (`sandpool build-pack`) or fix the task's `image` field"
+                f"image {name!r} is not built under {self.images_root} (no {path.name}) nor "
+                f"hydrated in {self.store.root}; build the task pack (`sandpool build-pack`), "
+                f"hydrate it (`sandpool images pull docker://{name}`, or a docker-archive:/oci: "
+                "source with --name), or fix the task's `image` field"
             )
         try:
             img = LocalImage.model_validate_json(path.read_text())
@@ -406,7 +433,8 @@ class LocalBackend(Backend):
         """Verify that local image ``image`` is built; see :meth:`image`."""
         self.image(image)
 
-    def _bwrap_argv(self, img: LocalImage, merged: Path, work_procs: Sequence[str] = ()) -> list[str]:
+    def _bwrap_argv(self, img: LocalImage, merged: Path, tmp: Path | None,
+                    work_procs: Sequence[str] = ()) -> list[str]:
         venv_bin = f"{img.venv}/bin"
         argv = [
             self.bwrap,
@@ -437,7 +465,7 @@ class LocalBackend(Backend):
             "--dev", "/dev",
             "--tmpfs", "/dev/shm",
             "--mqueue", "/dev/mqueue",
-            "--tmpfs", "/tmp",
+            *(["--bind", str(tmp), "/tmp"] if tmp else ["--tmpfs", "/tmp"]),
             "--ro-bind", img.python_prefix, img.python_prefix,
             "--ro-bind", img.venv, img.venv,
             "--bind", str(merged), img.workdir,
@@ -478,11 +506,12 @@ class LocalBackend(Backend):
         (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
 
     async def create(self, image: str) -> LocalSandbox:
-        """Start a sandbox from local image ``image``; returns once its agent is ready.
+        """Start a sandbox from image ``image``; returns once its agent is ready.
 
         Raises:
-            ImageNotFound: The image is not built.
-            SandboxStartError: Mount, cgroup or bubblewrap failed, or the agent never answered.
+            ImageNotFound: The image is not built or hydrated.
+            SandboxStartError: Mount, quota, cgroup or bubblewrap failed, or the agent never
+                answered.
             BackendUnavailable: Preflight failed.
         """
         await self.preflight()
@@ -490,39 +519,80 @@ class LocalBackend(Backend):
         self._write_etc()
         sid = f"sb-{self.run_id}-{next(self._seq)}"
         state = self._run_dir / sid
-        upper, work, merged = state / "upper", state / "work", state / "merged"
+        oci = isinstance(img, OciImage)
+        pass_fds: tuple[int, ...] = ()
+        info_r = block_w = -1
         try:
-            for d in (upper, work, merged):
-                d.mkdir(parents=True)
-            # The merged root takes the upper root's attributes: make them the image's, so
-            # the fresh repo is identical to the image's down to its root directory.
-            lst = os.stat(img.repo)
-            os.chmod(upper, stat.S_IMODE(lst.st_mode))
-            os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
-            _mount_overlay(img.repo, upper, work, merged)
+            state.mkdir(parents=True)
+            upper, work, tmp = state / "upper", state / "work", None
+            if self.limits.disk_bytes:
+                disk = state / "disk"
+                disk.mkdir()
+                tpl = await _offload_ret(_quota.template, self.limits.disk_bytes)
+                await _quota.attach(tpl, state / "disk.img", disk, ID_BASE if oci else 0)
+                upper, work, tmp = disk / "upper", disk / "work", disk / "tmp"
+            else:
+                upper.mkdir()
+                work.mkdir()
+                if oci:
+                    os.chown(upper, ID_BASE, ID_BASE)
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
             work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
+            if oci:
+                for f in work_procs:  # the agent (host uid ID_BASE) moves its commands there
+                    os.chown(f, ID_BASE, ID_BASE)
+                pub = _oci.prepare_host(self.run_id, _AGENT)
+                root = pub / sid / "root"
+                root.mkdir(parents=True)
+                mount_overlay(_oci.lowerdirs(self.store, img, _oci.skeleton(self._run_dir)), upper, work, root)
+                info_r, info_w = os.pipe()
+                block_r, block_w = os.pipe()
+                pass_fds = (info_w, block_r)
+                argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
+                                       block_fd=block_r, info_fd=info_w, work_procs=work_procs)
+            else:
+                merged = state / "merged"
+                merged.mkdir()
+                # The merged root takes the upper root's attributes: make them the image's, so
+                # the fresh repo is identical to the image's down to its root directory.
+                lst = os.stat(img.repo)
+                os.chmod(upper, stat.S_IMODE(lst.st_mode))
+                os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
+                mount_overlay([img.repo], upper, work, merged)
+                argv = self._bwrap_argv(img, merged, tmp, work_procs)
             stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
             try:
                 proc = await asyncio.create_subprocess_exec(
                     "/bin/sh", "-c",
                     # Join the cgroups first, so every process the sandbox forks is inside.
                     'for f in $SANDPOOL_CGROUP_PROCS; do echo $$ > "$f"; done; exec "$@"',
-                    "sh", *self._bwrap_argv(img, merged, work_procs),
+                    "sh", *argv,
                     stdin=asyncio.subprocess.PIPE,
                     stdout=asyncio.subprocess.PIPE,
                     stderr=stderr,
                     env={"SANDPOOL_CGROUP_PROCS": " ".join(procs), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
                     limit=_STREAM_LIMIT,
+                    pass_fds=pass_fds,
                 )
             finally:
                 stderr.close()
+                for fd in pass_fds:
+                    os.close(fd)
         except OSError as exc:
+            for fd in (info_r, block_w):
+                if fd >= 0:
+                    os.close(fd)
             self._cleanup_state(sid, state)
             raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
-        sandbox = LocalSandbox(sid, img, proc, state)
+        sandbox = LocalSandbox(sid, img, proc, state, upper)
         self._live[sid] = sandbox
         try:
+            if oci:
+                try:
+                    await _oci.map_ids(info_r, block_w, self.start_timeout)
+                finally:
+                    os.close(info_r)
+                    os.close(block_w)
             await sandbox._wait_ready(self.start_timeout)
         except BaseException:
             await self.delete(sandbox)
@@ -548,14 +618,14 @@ class LocalBackend(Backend):
             while self._cgroups.kill(sandbox.id) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             self._cgroups.remove(sandbox.id)
-        _umount(sandbox.state_dir / "merged")
+        _unmount_sandbox(self.run_id, sandbox.id, sandbox.state_dir)
         await _offload(shutil.rmtree, sandbox.state_dir, True)
         await sandbox._reader
 
     def _cleanup_state(self, sid: str, state: Path) -> None:
         if self._cgroups is not None:
             self._cgroups.kill_and_remove(sid)
-        _umount(state / "merged")
+        _unmount_sandbox(self.run_id, sid, state)
         shutil.rmtree(state, ignore_errors=True)
 
     def kill(self, sandbox: LocalSandbox) -> None:
@@ -580,7 +650,21 @@ class LocalBackend(Backend):
         await asyncio.gather(*(self.delete(sb) for sb in list(self._live.values())))
         if self._cgroups is not None:
             self._cgroups.remove_parent()
+        _oci.release_host(_oci.public_dir(self.run_id))
         await _offload(shutil.rmtree, self._run_dir, True)
+
+
+def _unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
+    # The overlay first (it sits on the quota filesystem), then the quota filesystem.
+    _umount(state / "merged")
+    root = _oci.public_dir(run_id) / sid
+    _umount(root / "root")
+    shutil.rmtree(root, ignore_errors=True)
+    _quota.detach(state / "disk", state / "disk.img")
+
+
+async def _offload_ret(fn, *args):  # type: ignore[no-untyped-def]
+    return await asyncio.to_thread(fn, *args)
 
 
 async def _offload(fn, *args) -> None:  # type: ignore[no-untyped-def]
@@ -596,19 +680,6 @@ def _retrieve(fut: asyncio.Future) -> None:
     # Mark a failed future's exception as seen; the caller got (or will get) its own error.
     if fut.done() and not fut.cancelled():
         fut.exception()
-
-
-def _mount_overlay(lower: str, upper: Path, work: Path, merged: Path) -> None:
-    # No metacopy and no redirects: each upper entry then holds its full data and name, and
-    # the host can compare it with the lower layer (see _overlay).
-    opts = f"lowerdir={lower},upperdir={upper},workdir={work},redirect_dir=off,metacopy=off".encode()
-    if _libc.mount(b"overlay", str(merged).encode(), b"overlay", 0, opts) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"overlay mount on {merged}: {os.strerror(err)}")
-
-
-def _umount(path: Path) -> None:
-    _libc.umount2(str(path).encode(), _MNT_DETACH)
 
 
 def reap_stale(state_base: Path) -> list[str]:
@@ -631,9 +702,10 @@ def reap_stale(state_base: Path) -> list[str]:
         for sb in run.glob("sb-*"):
             if driver is not None:
                 driver.kill_and_remove(sb.name)
-            _umount(sb / "merged")
+            _unmount_sandbox(run.name, sb.name, sb)
         if driver is not None:
             driver.remove_parent()
+        _oci.release_host(_oci.public_dir(run.name))
         shutil.rmtree(run, ignore_errors=True)
         reaped.append(run.name)
     return reaped

@@ -1,0 +1,235 @@
+"""Sandboxes from OCI images: the image's rootfs as ``/``, root inside mapped to no one outside.
+
+How one OCI sandbox is laid out (the local backend calls these helpers):
+
+* ``/`` is an overlayfs: the image's layers from the store (read-only, shared by every sandbox
+  and image that has them) under a per-sandbox upper directory on the sandbox's quota
+  filesystem (see ``_quota``), so the upper layer records exactly what a rollout changed. The
+  host's ``/usr`` is not the toolchain: the image's own is.
+* A tiny skeleton layer on top supplies the mount points ``/.sandpool/{usr,python,agent.py}``
+  without writing them into the upper layer.
+* User namespace: bubblewrap creates it and waits (``--userns-block-fd``) while the backend,
+  as host root, writes ``0 ID_BASE ID_COUNT`` to its uid and gid maps: uid 0 inside is host
+  uid ``ID_BASE``, which owns nothing outside the image's layers and the sandbox's upper. The
+  layers were unpacked with the same shift, so root inside owns the image's root files.
+* The agent is the one ``_agent.py`` every local sandbox runs, executed by the *host's*
+  Python, mounted read-only and started through the host's dynamic loader with an explicit
+  library path (``ld.so --library-path ... python -I agent.py``). The agent therefore needs
+  nothing from the image (it may have no Python, or an old one), and the image's commands see
+  none of the host's libraries (the loader path is not inherited). A static helper would be a
+  second implementation of the agent protocol; this keeps one.
+* ``Env`` and ``WorkingDir`` of the image config become the environment and default cwd of
+  every command; ``User`` becomes the uid/gid commands run as. ``Entrypoint``/``Cmd`` are not
+  run: a sandbox's long-lived process is the agent, and the task harness runs the tests; they
+  are kept in the image record for callers that want them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import struct
+import sys
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+from sandpool.core import errors
+from sandpool.core.base import ResourceLimits
+from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
+from sandpool.core.mounts import bind_ro, umount
+
+__all__ = ["PUBLIC_ROOT", "bwrap_argv", "host_python", "lowerdirs", "map_ids", "prepare_host",
+           "public_dir", "release_host", "skeleton"]
+
+_SP = "/.sandpool"
+PUBLIC_ROOT = Path("/run/sandpool")
+_AGENT_IN = f"{_SP}/agent.py"
+
+
+def _pt_interp(exe: str) -> str:
+    """The ELF interpreter (dynamic loader) named in ``exe``'s PT_INTERP header."""
+    with open(exe, "rb") as f:
+        head = f.read(64)
+        if head[:4] != b"\x7fELF" or head[4] != 2:
+            raise errors.BackendUnavailable(f"{exe} is not a 64-bit ELF executable")
+        phoff, = struct.unpack_from("<Q", head, 32)
+        phentsize, phnum = struct.unpack_from("<HH", head, 54)
+        for i in range(phnum):
+            f.seek(phoff + i * phentsize)
+            p_type, _, p_offset, _, _, p_filesz = struct.unpack("<IIQQQQ", f.read(40))
+            if p_type == 3:  # PT_INTERP
+                f.seek(p_offset)
+                return f.read(p_filesz).rstrip(b"\0").decode()
+    raise errors.BackendUnavailable(f"{exe} has no dynamic loader (PT_INTERP)")
+
+
+def host_python() -> tuple[Path, list[str]]:
+    """Return ``(prefix, argv prefix)`` to run the host's Python inside an OCI sandbox.
+
+    ``prefix`` (``sys.base_prefix``) is mounted at ``/.sandpool/python`` and the host's ``/usr``
+    at ``/.sandpool/usr``; the argv runs the interpreter through the host's loader there.
+
+    Raises:
+        BackendUnavailable: The loader is outside ``/usr`` (a non merged-/usr host).
+    """
+    prefix = Path(sys.base_prefix)
+    exe = prefix / "bin" / f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    loader = os.path.realpath(_pt_interp(str(exe)))
+    if not loader.startswith("/usr/"):
+        raise errors.BackendUnavailable(f"the host's dynamic loader {loader} is outside /usr; "
+                                        "OCI sandboxes need a merged-/usr host")
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    libs = [f"{_SP}/python/lib"] + [f"{_SP}{d}" for d in (f"/usr/lib/{multiarch}", "/usr/lib") if d]
+    return prefix, [f"{_SP}{loader}", "--library-path", ":".join(libs),
+                    f"{_SP}/python/bin/{exe.name}", "-I", "-u", _AGENT_IN]
+
+
+def skeleton(run_dir: Path) -> Path:
+    """Make (once per run) and return the top lower layer holding the sandbox's mount points."""
+    skel = run_dir / "oci-skel"
+    ready = run_dir / "oci-skel.ready"  # outside the layer, so it never shows inside
+    if ready.exists():
+        return skel
+    sp = skel / ".sandpool"
+    for d in (sp / "usr", sp / "python", sp / "work-cgroup"):
+        d.mkdir(parents=True, exist_ok=True)
+    marks = [sp / "agent.py", sp / "work-cgroup" / "0", sp / "work-cgroup" / "1"]
+    for f in marks:
+        f.touch()
+    for p in (skel, sp, sp / "usr", sp / "python", sp / "work-cgroup", *marks):
+        os.chown(p, ID_BASE, ID_BASE)
+    os.chmod(skel, 0o755)
+    ready.touch()
+    return skel
+
+
+def lowerdirs(store: ImageStore, img: OciImage, skel: Path) -> list[Path]:
+    """Overlay lower directories for ``img``, top first: the skeleton, then its layers."""
+    return [skel, *(store.layer_path(layer.diff_id) for layer in reversed(img.layers))]
+
+
+def public_dir(run_id: str) -> Path:
+    """Where one run's OCI sandboxes are mounted: under ``/run/sandpool``, world-searchable.
+
+    bubblewrap runs as host uid ``ID_BASE`` and resolves its bind sources by path, so they must
+    not sit below a directory only root may search (``/root/.cache``, ``/root/.pyenv``).
+    """
+    return PUBLIC_ROOT / run_id
+
+
+def prepare_host(run_id: str, agent: Path) -> Path:
+    """Make the run's public directory and bind the host Python and the agent into it, read-only.
+
+    Returns:
+        The public directory (``host/python``, ``host/agent.py``, and one dir per sandbox).
+    """
+    pub = public_dir(run_id)
+    host = pub / "host"
+    if (host / "python" / "bin").is_dir():
+        return pub
+    host.mkdir(parents=True, exist_ok=True)
+    for p in (PUBLIC_ROOT, pub, host):
+        os.chmod(p, 0o755)
+    prefix, _ = host_python()
+    (host / "python").mkdir(exist_ok=True)
+    (host / "agent.py").touch()
+    bind_ro(prefix, host / "python")
+    bind_ro(agent, host / "agent.py")
+    return pub
+
+
+def release_host(pub: Path) -> None:
+    """Unmount whatever is mounted under ``pub`` and remove it; never raises."""
+    if not pub.is_dir():
+        return
+    for child in pub.iterdir():
+        if child.name == "host":
+            for leaf in ("python", "agent.py"):
+                umount(child / leaf)
+        else:
+            umount(child / "root")
+    shutil.rmtree(pub, ignore_errors=True)
+
+
+def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path,
+               block_fd: int, info_fd: int, work_procs: Sequence[str] = ()) -> list[str]:
+    """The bubblewrap command line of one OCI sandbox (see the module docstring)."""
+    _, py_argv = host_python()
+    env = dict(e.split("=", 1) for e in img.env if "=" in e)
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    env.setdefault("HOME", "/root" if img.uid == 0 else "/tmp")
+    env.setdefault("LANG", "C.UTF-8")
+    env.setdefault("GIT_CONFIG_NOSYSTEM", "1")
+    argv = [
+        # bubblewrap runs as host uid ID_BASE, which the map makes uid 0 inside: it must be
+        # able to name its own uid in the namespace it creates.
+        "setpriv", f"--reuid={ID_BASE}", f"--regid={ID_BASE}", "--clear-groups", "--",
+        bwrap,
+        "--unshare-all", "--unshare-user",
+        "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
+        *(["--share-net"] if limits.network else []),
+        "--die-with-parent", "--new-session",
+        "--uid", str(img.uid), "--gid", str(img.gid),
+        "--hostname", "sandbox",
+        "--clearenv",
+        "--bind", str(root), "/",
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--ro-bind", "/usr", f"{_SP}/usr",
+        "--ro-bind", str(pub / "host" / "python"), f"{_SP}/python",
+        "--ro-bind", str(pub / "host" / "agent.py"), _AGENT_IN,
+    ]
+    # The agent puts each command into the work cgroup through these files only (see local).
+    for i, procs in enumerate(work_procs):
+        argv += ["--bind", procs, f"{_SP}/work-cgroup/{i}"]
+    if work_procs:
+        env["SANDPOOL_WORK_CGROUP"] = f"{_SP}/work-cgroup"
+    for key, value in env.items():
+        argv += ["--setenv", key, value]
+    argv += ["--chdir", img.workdir or img.repo_dir or "/", *py_argv]
+    return argv
+
+
+async def map_ids(info_r: int, block_w: int, timeout: float) -> int:
+    """Wait for bubblewrap's child pid on ``info_r``, write its id maps, then release it.
+
+    Returns:
+        The child's host pid.
+
+    Raises:
+        SandboxStartError: bubblewrap exited or said nothing within ``timeout`` seconds, or
+            the maps could not be written.
+    """
+    loop = asyncio.get_running_loop()
+    buf = b""
+    reader: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        nonlocal buf
+        chunk = os.read(info_r, 4096)
+        buf += chunk
+        if not chunk or b"}" in buf:
+            loop.remove_reader(info_r)
+            if not reader.done():
+                reader.set_result(None)
+
+    loop.add_reader(info_r, readable)
+    try:
+        await asyncio.wait_for(reader, timeout)
+    except TimeoutError:
+        raise errors.SandboxStartError(f"bubblewrap sent no child pid within {timeout:.0f} s") from None
+    finally:
+        loop.remove_reader(info_r)
+    try:
+        pid = int(json.loads(buf.split(b"}")[0] + b"}")["child-pid"])
+        for kind in ("uid_map", "gid_map"):
+            with open(f"/proc/{pid}/{kind}", "w") as f:
+                f.write(f"0 {ID_BASE} {ID_COUNT}\n")
+        os.write(block_w, b"1")
+    except (ValueError, KeyError, OSError) as exc:
+        raise errors.SandboxStartError(f"bubblewrap's user namespace could not be mapped: {exc} "
+                                       f"(info: {buf[:200]!r})") from None
+    return pid

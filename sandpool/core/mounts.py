@@ -1,0 +1,58 @@
+"""Mount helpers shared by image hydration and the local backend (root only, via libc)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from pathlib import Path
+
+__all__ = ["MAX_OVERLAY_OPTS", "bind_ro", "mount_overlay", "umount"]
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
+_MNT_DETACH = 2
+#: mount(2) copies at most one page of options; overlay's lowerdir list must fit in it.
+MAX_OVERLAY_OPTS = 4000
+
+
+def mount_overlay(lowers: list[Path | str], upper: Path | None, work: Path | None, target: Path,
+                  *, readonly: bool = False) -> None:
+    """Mount an overlayfs on ``target``: ``lowers`` top first, ``upper``/``work`` or none.
+
+    Always ``nodev`` and ``nosuid``: an image's device nodes and setuid bits never act.
+
+    Raises:
+        OSError: The kernel refused (the message has the errno text), or the lower
+            directory list does not fit in one page (too many or too long paths).
+    """
+    opts = "lowerdir=" + ":".join(str(p) for p in lowers)
+    if upper is not None:
+        # No metacopy and no redirects: each upper entry then holds its full data and name,
+        # and the host can compare it with the lower layers (see backends/_overlay).
+        opts += f",upperdir={upper},workdir={work},redirect_dir=off,metacopy=off"
+    if len(opts) > MAX_OVERLAY_OPTS:
+        raise OSError(7, f"overlay on {target}: {len(lowers)} lower layers do not fit in one "
+                         f"mount option page ({len(opts)} bytes); move the store to a shorter path")
+    flags = _MS_NOSUID | _MS_NODEV | (_MS_RDONLY if readonly else 0)
+    if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, opts.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"overlay mount on {target}: {os.strerror(err)}")
+
+
+def umount(path: Path | str) -> None:
+    """Detach the mount on ``path`` (lazily, so busy mounts go once unused); never raises."""
+    _libc.umount2(str(path).encode(), _MNT_DETACH)
+
+
+def bind_ro(source: Path | str, target: Path | str) -> None:
+    """Bind ``source`` on ``target`` read-only, ``nosuid``, ``nodev``.
+
+    Raises:
+        OSError: A mount call failed.
+    """
+    for flags in (_MS_BIND | _MS_REC,
+                  _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV):
+        if _libc.mount(str(source).encode(), str(target).encode(), None, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"bind of {source} on {target}: {os.strerror(err)}")
