@@ -13,9 +13,12 @@ PYTEST_ARGS ?=
 .PHONY: run test sysdeps venv cluster-build bench clean
 
 sysdeps:
-	@command -v bwrap >/dev/null && command -v git >/dev/null || { \
-	  echo "installing bubblewrap and git (Debian packages)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap git >/dev/null; }
+	@command -v bwrap >/dev/null && command -v git >/dev/null && command -v skopeo >/dev/null \
+	  && command -v umoci >/dev/null && command -v mmdebstrap >/dev/null && command -v mkfs.ext4 >/dev/null \
+	  && command -v docker-registry >/dev/null || { \
+	  echo "installing bubblewrap, git, skopeo, umoci, mmdebstrap, e2fsprogs, docker-registry (Debian packages)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap git skopeo umoci \
+	    mmdebstrap e2fsprogs docker-registry >/dev/null; }
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. pyenv install 3.12) and retry"; exit 1; }

@@ -195,6 +195,18 @@ class Sandbox(abc.ABC):
         """
         return None
 
+    async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
+        """What the rollout changed outside the repo and ``/tmp``, seen from outside the sandbox.
+
+        Optional: the local backend reads an OCI sandbox's overlay upper layer on the host
+        (the whole root filesystem is an overlay there); the default returns None (unknown).
+
+        Returns:
+            None when unsupported; else ``(path, kind)`` pairs, ``kind`` one of ``added``
+            (the image has no such path), ``modified``, ``deleted``, ``replaced``.
+        """
+        return None
+
 
 class Backend(abc.ABC):
     """Creates and deletes sandboxes. One async method per operation.

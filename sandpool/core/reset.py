@@ -7,7 +7,11 @@ The property (not a list of cleanup steps) that a reset establishes and then ver
   reachable (``git log --all``, ``stash list``, ``reflog``, ``fsck --lost-found``);
 * nothing else the sandbox can write is left changed: its scratch directories
   (:attr:`Sandbox.scratch`: ``/tmp``, and locally ``/dev/shm`` and ``/dev/mqueue``) are empty,
-  and so is its System V IPC namespace where it has its own (:attr:`Sandbox.private_ipc`);
+  and so is its System V IPC namespace where it has its own (:attr:`Sandbox.private_ipc`); where the backend sees the whole filesystem's changes
+  (:meth:`Sandbox.changes_outside_repo`: an OCI sandbox's root overlay), a path the rollout
+  *added* outside the repo and ``/tmp`` (a ``pip install``, a file under ``/root``) is removed,
+  and anything else it changed there (an edit in ``/etc``, a deleted or replaced image file)
+  fails the check;
 * no process of the rollout is left.
 
 A sandbox that fails the check is quarantined by the pool, never handed out.
@@ -167,6 +171,7 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
         timeout=timeout)
     problems = [] if res.ok else [f"clearing {dirs} failed: {res.err_text.strip()[:200]}"]
     problems += await _restore(sandbox, "", timeout)
+    problems += await _outside_repo(sandbox, timeout)
     problems += await _verify_outside_repo(sandbox, timeout)
     if problems:
         return ResetOutcome(False, tuple(problems), killed)
@@ -313,3 +318,20 @@ async def _generic_restore(sandbox: Sandbox, under: str, timeout: float) -> list
             problems.append(f"{what} differ from the fresh repo: unexpected {sorted(now_u - want_u)[:3]},"
                             f" missing {sorted(want_u - now_u)[:3]}")
     return problems
+
+
+async def _outside_repo(sandbox: Sandbox, timeout: float) -> list[str]:
+    """Undo what the rollout added outside the repo and /tmp; report what cannot be undone."""
+    changes = await sandbox.changes_outside_repo()
+    if not changes:
+        return []
+    added = [path for path, kind in changes if kind == "added"]
+    if added:  # removing a path no image layer has leaves no trace in the overlay
+        res = await sandbox.exec(["rm", "-rf", "--", *added], timeout=timeout, cwd="/")
+        if not res.ok:
+            return [f"removing files added outside the repo failed: {res.err_text.strip()[:200]}"]
+        changes = await sandbox.changes_outside_repo() or []
+    if not changes:
+        return []
+    return [f"changed outside the repo and /tmp (not undoable in place): "
+            f"{[f'{kind} {path}' for path, kind in changes[:8]]}"]

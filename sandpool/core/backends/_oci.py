@@ -30,6 +30,7 @@ import asyncio
 import json
 import os
 import shutil
+import stat
 import struct
 import sys
 import sysconfig
@@ -233,3 +234,67 @@ async def map_ids(info_r: int, block_w: int, timeout: float) -> int:
         raise errors.SandboxStartError(f"bubblewrap's user namespace could not be mapped: {exc} "
                                        f"(info: {buf[:200]!r})") from None
     return pid
+
+
+def changes_outside(upper: Path, lowers: list[Path], keep: Sequence[str]) -> list[tuple[str, str]]:
+    """What a rollout changed in an OCI sandbox's root outside ``keep``, read on the host.
+
+    The upper layer holds exactly what changed; each entry is judged against the lower layers
+    (top first). Only reads: a mounted overlay's upper layer must not be written from outside.
+
+    Args:
+        upper: The sandbox's upper directory.
+        lowers: Its lower directories, top first.
+        keep: Absolute paths whose subtrees are not judged here (the repo, ``/tmp``).
+
+    Returns:
+        ``(path, kind)`` pairs, ``/``-rooted: ``added`` (no lower layer has the path: removing
+        it inside undoes it), ``modified`` (a file, link or directory metadata that differs
+        from the image's), ``deleted`` (a whiteout), ``replaced`` (an opaque directory).
+    """
+    skip = {k.rstrip("/") or "/" for k in keep}
+    out: list[tuple[str, str]] = []
+
+    def lower_stat(rel: str) -> os.stat_result | None:
+        for layer in lowers:
+            try:
+                st = os.lstat(layer / rel)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                return None  # whited out in that layer
+            return st
+        return None
+
+    def walk(rel: str) -> None:
+        try:
+            entries = list(os.scandir(upper / rel if rel else upper))
+        except OSError:
+            return
+        for e in entries:
+            r = f"{rel}/{e.name}" if rel else e.name
+            if "/" + r in skip:
+                continue
+            st = e.stat(follow_symlinks=False)
+            low = lower_stat(r)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                out.append(("/" + r, "deleted"))
+            elif low is None:
+                out.append(("/" + r, "added"))
+            elif stat.S_ISDIR(st.st_mode):
+                try:
+                    opaque = os.getxattr(e.path, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+                except OSError:
+                    opaque = False
+                if opaque:
+                    out.append(("/" + r, "replaced"))
+                elif not stat.S_ISDIR(low.st_mode) or (st.st_mode, st.st_uid, st.st_gid) != (
+                        low.st_mode, low.st_uid, low.st_gid):
+                    out.append(("/" + r, "modified"))
+                else:  # a directory copied up because something below it changed
+                    walk(r)
+            else:
+                out.append(("/" + r, "modified"))
+
+    walk("")
+    return sorted(out)

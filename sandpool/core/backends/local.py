@@ -118,6 +118,8 @@ class LocalSandbox(Sandbox):
         self.upper = upper
         #: The OCI image it runs, or None for an image directory.
         self.oci = image if isinstance(image, OciImage) else None
+        #: The overlay's lower directories, top first (OCI sandboxes; set by the backend).
+        self.lowers: list[Path] = []
         self._proc = proc
         self._pending: dict[int, asyncio.Future[dict]] = {}
         self._ids = itertools.count(1)
@@ -275,6 +277,15 @@ class LocalSandbox(Sandbox):
     def _raise_os_error(self, msg: dict, path: str) -> None:
         if msg.get("error") == "os_error":
             raise errors.sandbox_file_error(int(msg["errno"]), path, f"in sandbox {self.id}")
+
+    async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
+        """For an OCI sandbox, what its upper layer holds outside the repo and ``/tmp`` (read
+        on the host, see ``_oci.changes_outside``); None for an image directory, whose only
+        writable places are the repo and ``/tmp``."""
+        if self.oci is None or self.upper is None:
+            return None
+        return await asyncio.to_thread(_oci.changes_outside, self.upper, self.lowers,
+                                       (self.workdir, "/tmp"))
 
     async def processes(self) -> list[str]:
         """Command lines of every process in the sandbox except its agent and init."""
@@ -544,7 +555,8 @@ class LocalBackend(Backend):
                 pub = _oci.prepare_host(self.run_id, _AGENT)
                 root = pub / sid / "root"
                 root.mkdir(parents=True)
-                mount_overlay(_oci.lowerdirs(self.store, img, _oci.skeleton(self._run_dir)), upper, work, root)
+                lowers = _oci.lowerdirs(self.store, img, _oci.skeleton(self._run_dir))
+                mount_overlay(lowers, upper, work, root)
                 info_r, info_w = os.pipe()
                 block_r, block_w = os.pipe()
                 pass_fds = (info_w, block_r)
@@ -585,6 +597,7 @@ class LocalBackend(Backend):
             self._cleanup_state(sid, state)
             raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
         sandbox = LocalSandbox(sid, img, proc, state, upper)
+        sandbox.lowers = lowers if oci else []
         self._live[sid] = sandbox
         try:
             if oci:

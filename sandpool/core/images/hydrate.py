@@ -124,7 +124,8 @@ def _pin(source: str, tls_verify: bool) -> tuple[str, str | None]:
     ref = source.removeprefix("docker://")
     if "@sha256:" in ref:
         return source, ref.split("@", 1)[1]
-    raw = _run(["skopeo", "inspect", "--raw", *_tls(tls_verify), source], f"skopeo inspect {source}")
+    raw = _run(["skopeo", "inspect", "--raw", *([] if tls_verify else ["--tls-verify=false"]), source],
+               f"skopeo inspect {source}")
     digest = "sha256:" + hashlib.sha256(raw).hexdigest()
     repo = ref.rsplit(":", 1)[0] if ":" in ref.rsplit("/", 1)[-1] else ref
     return f"docker://{repo}@{digest}", digest
