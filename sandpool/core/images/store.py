@@ -8,7 +8,7 @@ new code keep their own stores)::
                             ``trusted.overlay.opaque=y``; uids/gids shifted by ``ID_BASE``
     layers/<hex>.json       that layer's unpacked size in bytes
     images/<manifest hex>/  image.json (an :class:`OciImage`) then ``.complete``, written last
-    refs/<safe name>        the manifest digest a name points at (one line)
+    refs/<safe name>        JSON: the manifest digest a name points at, and its source
     tmp/                    work of hydrations in progress; anything here that no live
                             hydration holds is a leftover of a killed one and is removed
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -199,30 +200,42 @@ class ImageStore:
 
         An image whose directory or any layer is missing is treated as absent.
         """
+        ref: dict = {}
         if name.startswith("sha256:"):
             digest = name
         else:
-            ref = self.refs_dir / safe_name(name)
             try:
-                digest = ref.read_text().strip()
-            except OSError:
+                ref = json.loads((self.refs_dir / safe_name(name)).read_text())
+            except (OSError, ValueError):
                 return None
+            digest = ref["digest"]
         d = self.image_path(digest)
         if not (d / _MARKER).is_file():
             return None
         img = OciImage.model_validate_json((d / "image.json").read_text())
         if not all(self.has_layer(layer.diff_id) for layer in img.layers):
             return None
-        return img
+        # One image (digest) may be known under several names, each from its own source.
+        return img.model_copy(update={"name": ref.get("name", img.name), **{
+            k: ref[k] for k in ("source", "source_digest") if k in ref}})
 
     def images(self) -> list[OciImage]:
-        """Every complete image, sorted by name."""
+        """Every usable image under each of its names, sorted by name."""
+        out = []
+        for ref in self.names():
+            ref_name = json.loads((self.refs_dir / ref).read_text()).get("name", ref)
+            img = self.resolve(ref_name)
+            if img is not None:
+                out.append(img)
+        return sorted(out, key=lambda i: i.name)
+
+    def _digests(self) -> list[OciImage]:
         out = []
         if self.images_dir.is_dir():
             for d in self.images_dir.iterdir():
                 if (d / _MARKER).is_file():
                     out.append(OciImage.model_validate_json((d / "image.json").read_text()))
-        return sorted(out, key=lambda i: i.name)
+        return out
 
     def names(self) -> dict[str, str]:
         """Map of every name (ref) to the manifest digest it points at."""
@@ -230,12 +243,13 @@ class ImageStore:
         if self.refs_dir.is_dir():
             for ref in self.refs_dir.iterdir():
                 if not ref.name.startswith("."):
-                    out[ref.name] = ref.read_text().strip()
+                    with contextlib.suppress(OSError, ValueError, KeyError):
+                        out[ref.name] = json.loads(ref.read_text())["digest"]
         return out
 
     def usage(self) -> StoreUsage:
         """Sizes: the images as if unshared against what the unique layers take on disk."""
-        imgs = self.images()
+        imgs = self._digests()
         layers = [p for p in self.layers_dir.glob("*.json")] if self.layers_dir.is_dir() else []
         on_disk = 0
         for meta in layers:
@@ -269,12 +283,16 @@ class ImageStore:
         (tmp / "image.json").write_text(img.model_dump_json(indent=2) + "\n")
         (tmp / _MARKER).write_text(STORE_VERSION)
         dest = self.image_path(img.digest)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
+        if (dest / _MARKER).is_file():  # the same image under another name: keep the record
+            shutil.rmtree(tmp)
+        else:
+            shutil.rmtree(dest, ignore_errors=True)
+            tmp.rename(dest)
         self.refs_dir.mkdir(parents=True, exist_ok=True)
         for name in names:
-            _atomic_write(self.refs_dir / safe_name(name), img.digest + "\n")
+            _atomic_write(self.refs_dir / safe_name(name), json.dumps(
+                {"name": name, "digest": img.digest, "source": img.source,
+                 "source_digest": img.source_digest}) + "\n")
 
     def remove(self, name: str) -> bool:
         """Drop the name ``name`` (its image and layers go at the next :meth:`prune`)."""
