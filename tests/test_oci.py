@@ -24,7 +24,7 @@ from sandpool.core.backends.local import LocalBackend
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ImageStore, hydrate
 from sandpool.core.paths import sandpool_home
-from sandpool.core.reset import reset_in_place
+from sandpool.core.reset import record_pristine, reset_in_place
 from sandpool.core.task import Task
 from sandpool.envs.taskpack.oci import SWE_IMAGE, build_test_images
 from tests.waiting import wait_until
@@ -114,6 +114,7 @@ async def test_disk_quota_stops_a_large_write_and_the_sandbox_stays_usable(
         oci_backend: LocalBackend, image: str, calc_commits: dict[str, str], swe_task: Task) -> None:
     name, commit = ("sandpool.test/calc:2", calc_commits["buggy"]) if image == "pack" else (SWE_IMAGE, swe_task.base_commit)
     sb = await oci_backend.create(name)
+    await record_pristine(sb)  # as the pool does for every sandbox it creates
     if image == "pack":
         assert (await sb.exec(f"git checkout -q {commit}")).ok
     res = await sb.exec("dd if=/dev/zero of=/tmp/big bs=1M count=100")
@@ -129,6 +130,7 @@ async def test_disk_quota_stops_a_large_write_and_the_sandbox_stays_usable(
 
 async def test_pip_install_during_a_rollout_is_gone_after_reset(oci_backend: LocalBackend, swe_task: Task) -> None:
     sb = await oci_backend.create(SWE_IMAGE)
+    await record_pristine(sb)
     await sb.write_file("/tmp/pkgx/setup.py", b"from setuptools import setup\nsetup(name='pkgx', py_modules=['pkgx'])\n")
     await sb.write_file("/tmp/pkgx/pkgx.py", b"VALUE = 42\n")
     res = await sb.exec("pip install -q --no-index --no-build-isolation /tmp/pkgx && python -c 'import pkgx' "
@@ -145,6 +147,7 @@ async def test_pip_install_during_a_rollout_is_gone_after_reset(oci_backend: Loc
 async def test_an_edit_outside_the_repo_quarantines_with_what_was_found(oci_backend: LocalBackend,
                                                                        swe_task: Task) -> None:
     sb = await oci_backend.create(SWE_IMAGE)
+    await record_pristine(sb)
     assert (await sb.exec("echo evil >> /etc/hostname; rm /etc/motd", cwd="/")).ok
     outcome = await reset_in_place(sb, swe_task.base_commit)
     assert not outcome.ok

@@ -262,7 +262,9 @@ async def record_pristine(sandbox: Sandbox, *, timeout: float = 120.0) -> None:
         ResetError: The repo could not be read.
         InfraError: The sandbox could not be reached.
     """
-    if type(sandbox).restore_repo is not Sandbox.restore_repo:
+    # restore_repo answers None where the backend cannot see changes from outside (a pod, an
+    # OCI sandbox whose repo may span image layers); on a fresh sandbox it is a cheap no-op.
+    if await sandbox.restore_repo("", timeout=timeout) is not None:
         return
     res = await sandbox.exec(
         f"{_manifest('.')}; echo {_SEP}; find .git/objects -type f ! -path '.git/objects/info/*'"
