@@ -7,8 +7,9 @@ The property (not a list of cleanup steps) that a reset establishes and then ver
   reachable (``git log --all``, ``stash list``, ``reflog``, ``fsck --lost-found``);
 * nothing else the sandbox can write is left changed: its scratch directories
   (:attr:`Sandbox.scratch`: ``/tmp``, and locally ``/dev/shm`` and ``/dev/mqueue``) are empty,
-  and so is its System V IPC namespace where it has its own (:attr:`Sandbox.private_ipc`); where the backend sees the whole filesystem's changes
-  (:meth:`Sandbox.changes_outside_repo`: an OCI sandbox's root overlay), a path the rollout
+  and so is its System V IPC namespace where it has its own (:attr:`Sandbox.private_ipc`);
+  where the backend sees the whole filesystem's changes (:meth:`Sandbox.changes_outside_repo`:
+  an OCI sandbox's root overlay), a path the rollout
   *added* outside the repo and ``/tmp`` (a ``pip install``, a file under ``/root``) is removed,
   and anything else it changed there (an edit in ``/etc``, a deleted or replaced image file)
   fails the check;
