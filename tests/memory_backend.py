@@ -80,6 +80,10 @@ class MemoryBackend(Backend):
         self.head = head
         self.create_delay = create_delay
         self.fail_creates = 0
+        self.create_error: BaseException | None = None  # raised by the next creation, once
+        self.delete_gate: asyncio.Event | None = None  # deletes wait on it when set
+        self.deleting = 0
+        self.peak_held = 0  # most sandboxes created and not yet fully deleted at once
         self.created_at: list[float] = []
         self.live: dict[str, MemorySandbox] = {}
         self._ids = itertools.count(1)
@@ -92,6 +96,9 @@ class MemoryBackend(Backend):
         await self.hydrate(image)
         self.created_at.append(asyncio.get_running_loop().time())
         await asyncio.sleep(self.create_delay)
+        if self.create_error is not None:
+            exc, self.create_error = self.create_error, None
+            raise exc
         if self.fail_creates:
             self.fail_creates -= 1
             raise errors.SandboxStartError("scripted start failure")
@@ -99,7 +106,15 @@ class MemoryBackend(Backend):
         if self.head is not None:
             sb.head = sb.at = self.head
         self.live[sb.id] = sb
+        self.peak_held = max(self.peak_held, len(self.live) + self.deleting)
         return sb
 
     async def delete(self, sandbox: Sandbox) -> None:
-        self.live.pop(sandbox.id, None)
+        if self.live.pop(sandbox.id, None) is None:
+            return
+        self.deleting += 1
+        try:
+            if self.delete_gate is not None:
+                await self.delete_gate.wait()
+        finally:
+            self.deleting -= 1

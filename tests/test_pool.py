@@ -216,3 +216,44 @@ async def test_fresh_sandbox_at_the_task_commit_needs_no_checkout():
         assert any("checkout" in c for c in other.sandbox.commands)
         await pool.release(lease)
         await pool.release(other)
+
+
+async def test_a_creation_failing_with_an_unexpected_error_leaks_no_creating_slot():
+    backend = MemoryBackend()
+    backend.create_error = RuntimeError("backend bug")
+    async with SandboxPool(backend, "warm") as pool:
+        # prepare() waits for warm fills in flight: a leaked `creating` count hangs it forever.
+        await asyncio.wait_for(pool.prepare([task(0)], concurrency=2), 60.0)
+        assert pool.counters.create_failures == 1
+        assert pool.counters.infra_errors == {"sandbox_start": 1}
+        async with pool.claim(task(0)) as lease:
+            assert (await lease.exec("true")).ok
+
+
+async def test_one_failed_warm_fill_does_not_lower_the_warm_target():
+    backend = MemoryBackend()
+    backend.fail_creates = 1
+    async with SandboxPool(backend, "warm") as pool:
+        await pool.prepare([task(0)], concurrency=3, rollouts_per_task=3)
+        # The failed fill is retried after a back-off: the warm pool gets back to 3.
+        await until(lambda: len(backend.live) == 3, "the warm pool to refill to its target")
+        async with pool.claim(task(0)) as lease:
+            await lease.exec("true")
+        await until(lambda: len(backend.live) == 3, "the warm pool to refill after a claim")
+
+
+async def test_sandboxes_being_deleted_count_against_max_live():
+    backend = MemoryBackend()
+    backend.delete_gate = asyncio.Event()
+    async with SandboxPool(backend, "cold", PoolLimits(max_live=2)) as pool:
+        for i in range(2):
+            async with pool.claim(task(i)) as lease:
+                await lease.exec("true")
+        # Two deletes hang in the backend: a third claim must wait for one of them.
+        third = asyncio.create_task(pool.acquire(task(2)))
+        await until(lambda: backend.deleting == 2, "both deletes to be in flight")
+        assert not third.done() and len(backend.created_at) == 2
+        backend.delete_gate.set()
+        lease = await asyncio.wait_for(third, 60.0)
+        await pool.release(lease)
+    assert backend.peak_held <= 2

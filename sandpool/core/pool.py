@@ -46,7 +46,8 @@ class PoolLimits:
     Usage: ``PoolLimits(max_live=16, create_rate=5.0, create_burst=10)``.
 
     Attributes:
-        max_live: Cap on sandboxes alive at once (creating, idle, leased, resetting).
+        max_live: Cap on sandboxes alive at once (creating, idle, leased, resetting, and
+            being deleted: a sandbox holds its resources until its delete returns).
             ``None`` takes the strategy's default for the prepared concurrency.
         create_rate: Sandbox creations per second, sustained (token bucket refill).
         create_burst: Creations allowed back to back (token bucket size).
@@ -94,10 +95,13 @@ class _Image:
     creating: int = 0
     leased: int = 0
     resetting: int = 0
+    deleting: int = 0  # still holding the backend's resources until the delete returns
+    fill_failures: int = 0  # consecutive failed warm fills: they back off, the target stays
+    fill_after: float = 0.0  # monotonic time before which no warm fill starts
 
     @property
     def live(self) -> int:
-        return len(self.idle) + self.creating + self.leased + self.resetting
+        return len(self.idle) + self.creating + self.leased + self.resetting + self.deleting
 
 
 class Lease:
@@ -452,7 +456,7 @@ class SandboxPool:
         keep = (reusable and lease.broken is None and self.strategy.reuse
                 and entry.sandbox.alive())
         if not keep:
-            self._spawn(self._delete(entry.sandbox))
+            self._start_delete(entry.sandbox, entry.image)
             self._assign()
             return
         entry.state = SandboxState.RESETTING
@@ -486,7 +490,10 @@ class SandboxPool:
                     break
                 self._start_create(name, img, warm_up=False)  # a claim waits: no extra work
                 live += 1
+        now = time.monotonic()
         for name, img in self._images.items():
+            if now < img.fill_after:
+                continue
             want = self.strategy.deficit(target=img.target, idle=len(img.idle), creating=img.creating,
                                          leased=img.leased, resetting=img.resetting)
             for _ in range(want):
@@ -503,7 +510,7 @@ class SandboxPool:
                 entry = img.idle.pop()
                 entry.state = SandboxState.DELETED
                 self.counters.evicted += 1
-                self._spawn(self._delete(entry.sandbox))
+                self._start_delete(entry.sandbox, entry.image)
                 return True
         return False
 
@@ -523,7 +530,7 @@ class SandboxPool:
         if entry.state is SandboxState.LEASED:
             img.leased -= 1
         entry.state = SandboxState.DELETED
-        self._spawn(self._delete(entry.sandbox))
+        self._start_delete(entry.sandbox, entry.image)
         self._assign()
 
     # -- I/O, outside _assign ----------------------------------------------------------------
@@ -557,7 +564,12 @@ class SandboxPool:
         except errors.SandpoolError as exc:
             self._create_failed(name, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - a backend bug must not leak a `creating` slot
+            self._create_failed(name, errors.SandboxStartError(
+                f"creating a sandbox of {name!r} failed: {type(exc).__name__}: {exc}"))
+            return
         img.creating -= 1
+        img.fill_failures = 0
         self.counters.created += 1
         if self.state is not PoolState.OPEN:
             await self._delete(sandbox)
@@ -572,7 +584,6 @@ class SandboxPool:
         if isinstance(exc, errors.InfraError):
             self.counters.infra_error(exc.kind)
         # The failure belongs to a waiting claim, if any; otherwise it only shows in counters.
-        # A warm fill that fails is not retried until demand asks again.
         while img.waiters:
             w = img.waiters.popleft()
             if not w.future.done():
@@ -583,7 +594,16 @@ class SandboxPool:
                 w = img.waiters.popleft()
                 if not w.future.done():
                     w.future.set_exception(exc)
-        img.target = min(img.target, img.live)
+        if isinstance(exc, errors.InfraError):
+            # Warm fills back off (0.5 s doubling to 30 s) and keep the target: one failure
+            # must not shrink the warm pool for the rest of the run.
+            img.fill_failures += 1
+            delay = min(30.0, 0.5 * 2 ** (img.fill_failures - 1))
+            img.fill_after = time.monotonic() + delay
+            # The loop may run a timer up to its clock resolution early: wake a little late.
+            asyncio.get_running_loop().call_later(delay + 0.01, self._assign)
+        else:  # the image itself is unusable: stop filling it
+            img.target = min(img.target, img.live)
         self._changed.set()
 
     async def _reset(self, entry: _Entry, commit: str) -> None:
@@ -595,7 +615,7 @@ class SandboxPool:
                 self.limits.reset_timeout * 2,
             )
             problems, head = list(outcome.problems), outcome.head
-        except (errors.SandpoolError, TimeoutError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure quarantines; none leaks `resetting`
             problems, head = [f"reset failed: {type(exc).__name__}: {exc}"], None
         img.resetting -= 1
         self.counters.reset_time(time.monotonic() - t0)
@@ -607,7 +627,7 @@ class SandboxPool:
             self.counters.quarantine_reasons = (self.counters.quarantine_reasons
                                                 + [f"{entry.sandbox.id}: {'; '.join(problems)}"])[-20:]
             entry.state = SandboxState.DELETED
-            self._spawn(self._delete(entry.sandbox))
+            self._start_delete(entry.sandbox, entry.image)
         else:
             self.counters.resets += 1
             entry.head = head
@@ -615,11 +635,21 @@ class SandboxPool:
             img.idle.appendleft(entry)
         self._assign()
 
-    async def _delete(self, sandbox: Sandbox) -> None:
+    def _start_delete(self, sandbox: Sandbox, image: str) -> None:
+        # Counted against max_live until the backend says it is gone.
+        img = self._images.get(image)
+        if img is not None:
+            img.deleting += 1
+        self._spawn(self._delete(sandbox, img))
+
+    async def _delete(self, sandbox: Sandbox, img: _Image | None = None) -> None:
         try:
             await self.backend.delete(sandbox)
         finally:
             self.counters.deleted += 1
+            if img is not None:
+                img.deleting -= 1
+                self._assign()  # its room is free now
 
     # -- reporting ---------------------------------------------------------------------------
 
