@@ -351,3 +351,26 @@ def test_preflight_names_controllers_with_the_warm_pool_over_creation_bug(versio
     assert (warning is not None) == buggy
     if buggy:
         assert "issue 1215" in warning and version in warning
+
+
+@pytest.mark.parametrize("how", ["argument", "env"])
+async def test_a_missing_kubeconfig_names_its_path(tmp_path, monkeypatch, how):
+    from sandpool.core.backends.kubernetes import KubernetesBackend
+
+    missing = tmp_path / "nowhere" / "kubeconfig"
+    monkeypatch.setenv("KUBECONFIG", str(missing) if how == "env" else str(tmp_path / "other"))
+    backend = KubernetesBackend(str(missing) if how == "argument" else None)
+    with pytest.raises(errors.BackendUnavailable, match=f"kubeconfig {missing} does not exist"):
+        await backend.preflight()
+    await backend.aclose()
+
+
+async def test_an_unusable_kubeconfig_names_its_path(tmp_path):
+    from sandpool.core.backends.kubernetes import KubernetesBackend
+
+    bad = tmp_path / "kubeconfig"
+    bad.write_text("apiVersion: v1\nkind: Config\n")
+    backend = KubernetesBackend(str(bad))
+    with pytest.raises(errors.BackendUnavailable, match=f"loading kubeconfig {bad}"):
+        await backend.preflight()
+    await backend.aclose()

@@ -102,7 +102,7 @@ def translate(
     if isinstance(exc, aiohttp.ClientResponseError):
         return for_status(exc.status, what, exc.message or "", channel=channel)
     if isinstance(exc, (ConfigException, FileNotFoundError)):
-        return errors.BackendUnavailable(f"the kubeconfig cannot be used: {exc}")
+        return errors.BackendUnavailable(f"{what}: the kubeconfig cannot be used: {exc}")
     if isinstance(exc, ssl.SSLError) or isinstance(exc, aiohttp.ClientSSLError):
         return errors.BackendUnavailable(f"TLS to the Kubernetes API failed during {what}: {exc}")
     if isinstance(exc, TimeoutError):

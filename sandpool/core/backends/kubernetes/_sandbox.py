@@ -9,6 +9,7 @@ backend's agent), or, where the agent cannot run, through one pod exec per comma
 from __future__ import annotations
 
 import base64
+import errno
 import itertools
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING
@@ -24,6 +25,26 @@ if TYPE_CHECKING:
 __all__ = ["KubernetesSandbox"]
 
 _FILE_CHUNK = 48 << 10  # bytes per write_file exec (base64 in one argv element < 128 KiB)
+# The per-command fallback's read_file exit codes for the errnos a policy's path can cause.
+_READ = (
+    '[ -e "$1" ] || exit 44; [ ! -d "$1" ] || exit 45; [ -r "$1" ] || exit 46; exec cat -- "$1"'
+)
+_READ_ERRNO = {44: errno.ENOENT, 45: errno.EISDIR, 46: errno.EACCES}
+_STDERR_ERRNO = (
+    ("Read-only file system", errno.EROFS),
+    ("Permission denied", errno.EACCES),
+    ("Is a directory", errno.EISDIR),
+    ("Not a directory", errno.ENOTDIR),
+    ("No space left on device", errno.ENOSPC),
+    ("Disk quota exceeded", errno.EDQUOT),
+    ("File name too long", errno.ENAMETOOLONG),
+    ("File exists", errno.ENOTDIR),  # mkdir -p over a file in the path
+)
+
+
+def _stderr_errno(text: str) -> int | None:
+    """The errno a coreutils/sh message in ``text`` names (its strerror text), else None."""
+    return next((code for needle, code in _STDERR_ERRNO if needle in text), None)
 
 
 class KubernetesSandbox(Sandbox):
@@ -167,18 +188,16 @@ class KubernetesSandbox(Sandbox):
         """Return the bytes of ``path`` (``cat`` over binary frames); see :meth:`Sandbox.read_file`.
 
         Raises:
-            FileNotFoundError: No such regular file in the pod.
+            SandboxFileError: ``ENOENT``, ``EISDIR``, ``EACCES``, ... on the path (the policy's).
             SandboxDied, ExecTransportError: As :meth:`exec`.
         """
         if self._session is not None:
             return await self._agent("read_file", self._abs(path), path)  # type: ignore[return-value]
         res = await self.exec(
-            ["/bin/sh", "-c", '[ -f "$1" ] || exit 44; exec cat -- "$1"', "sh", self._abs(path)],
-            timeout=120.0,
-            max_output=1 << 31,
+            ["/bin/sh", "-c", _READ, "sh", self._abs(path)], timeout=120.0, max_output=1 << 31
         )
-        if res.exit_code == 44:
-            raise FileNotFoundError(f"{path} in sandbox {self.id}: not a regular file")
+        if res.exit_code in _READ_ERRNO:
+            raise errors.sandbox_file_error(_READ_ERRNO[res.exit_code], path, f"in sandbox {self.id}")
         if not res.ok:
             raise errors.ExecTransportError(
                 f"reading {path} in sandbox {self.id} failed "
@@ -190,7 +209,9 @@ class KubernetesSandbox(Sandbox):
         """Write ``data`` to ``path`` as base64 chunks over exec, then rename into place.
 
         Raises:
-            SandboxDied, ExecTransportError: As :meth:`exec`; also when the pod refuses the write.
+            SandboxFileError: The pod refused the write for the path's sake (EROFS, EACCES,
+                EISDIR, ENOTDIR, ENOSPC): the policy's result.
+            SandboxDied, ExecTransportError: As :meth:`exec`.
         """
         dest = self._abs(path)
         if self._session is not None:
@@ -199,7 +220,12 @@ class KubernetesSandbox(Sandbox):
         chunks = [data[i : i + _FILE_CHUNK] for i in range(0, len(data), _FILE_CHUNK)] or [b""]
         for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
-            script = 'set -e; mkdir -p "$(dirname "$1")"; ' if i == 0 else "set -e; "
+            script = (
+                'set -e; [ ! -d "$1" ] || { echo "$1: Is a directory" >&2; exit 1; }; '
+                'mkdir -p "$(dirname "$1")"; '
+                if i == 0
+                else "set -e; "
+            )
             script += 'printf %s "$2" | base64 -d ' + (
                 '> "$1.sp-part"' if i == 0 else '>> "$1.sp-part"'
             )
@@ -218,6 +244,9 @@ class KubernetesSandbox(Sandbox):
                 timeout=120.0,
             )
             if not res.ok:
+                code = _stderr_errno(res.err_text)
+                if code is not None:  # the policy's path: a result, not a broken channel
+                    raise errors.sandbox_file_error(code, path, f"in sandbox {self.id}")
                 raise errors.ExecTransportError(
                     f"writing {path} in sandbox {self.id} failed (exit {res.exit_code}): "
                     f"{res.err_text.strip()[:200]}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -61,6 +62,14 @@ _IMAGE_REF = re.compile(
     r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"
     r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
 )
+
+
+def kubeconfig_path() -> str:
+    """The kubeconfig used when none is given: the first path of ``$KUBECONFIG``, else
+    ``~/.kube/config`` (as kubectl and kubernetes_asyncio choose it)."""
+    env = os.environ.get("KUBECONFIG", "")
+    first = next((p for p in env.split(os.pathsep) if p), "")
+    return str(Path(first or "~/.kube/config").expanduser())
 
 
 class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
@@ -224,14 +233,18 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
                         "the kubernetes backend needs kubernetes_asyncio; install sandpool[kubernetes]"
                     ) from exc
                 cfg = Configuration()
+                path = self.kubeconfig or kubeconfig_path()
+                if not Path(path).is_file():
+                    raise errors.BackendUnavailable(
+                        f"kubeconfig {path} does not exist; pass kubeconfig=, set $KUBECONFIG, "
+                        "or start the test cluster (hack/cluster/cluster.py up)"
+                    )
                 try:
                     await load_kube_config(
-                        config_file=self.kubeconfig, client_configuration=cfg, persist_config=False
+                        config_file=path, client_configuration=cfg, persist_config=False
                     )
                 except Exception as exc:  # noqa: BLE001 - translated at the one boundary
-                    raise translate(
-                        exc, f"loading kubeconfig {self.kubeconfig or '(default)'}"
-                    ) from exc
+                    raise translate(exc, f"loading kubeconfig {path}") from exc
                 cfg.connection_pool_maxsize = 0  # unbounded sockets: the Throttle bounds REST
                 self._client = ApiClient(configuration=cfg)
                 self._http = KubeHttp(self._client, self.throttle)
