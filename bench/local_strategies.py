@@ -5,6 +5,12 @@ strategy, prints the figures side by side, and writes ``local_strategies.json``,
 ``local_strategies.txt`` and ``local_strategies_ttfc_cdf.png`` (CDF of TTFC) to ``--out``.
 
     .venv/bin/python bench/local_strategies.py [--tasks 8] [--rollouts 4] [--concurrency 8]
+    .venv/bin/python bench/local_strategies.py --images oci   # + the same on OCI images
+
+``--images oci`` also runs the workload on OCI images (``bench/_oci_images.py``: one
+SWE-bench-shaped image per task, layers shared) and prints, side by side with the current
+images: cold start, warm and reuse TTFC, reset time and disk per image. Target: OCI cold start
+within 1.5x of the current images', reuse TTFC unchanged.
 
 Targets on a 2-core machine: warm TTFC p50 <= 20 ms; reuse max TTFC >= 10x below cold max;
 reuse creates no more sandboxes than the concurrency.
@@ -86,6 +92,8 @@ async def main() -> None:
     ap.add_argument("--rollouts", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--out", type=Path, default=Path("reports/bench"))
+    ap.add_argument("--images", choices=("current", "oci"), default="current",
+                    help="oci: also run on OCI images and compare")
     args = ap.parse_args()
     tasks = _spread(load_tasks(await abuild_default_pack()), args.tasks)
     reports: dict[str, Report] = {}
@@ -104,6 +112,34 @@ async def main() -> None:
         {n: r.model_dump(mode="json") for n, r in reports.items()}, indent=2))
     ttfc_cdf(reports, args.out / "local_strategies_ttfc_cdf.png", "TTFC CDF, local backend")
     print(f"wrote {args.out}/local_strategies.{{txt,json}} and local_strategies_ttfc_cdf.png")
+    if args.images == "oci":
+        await _oci_run(args, tasks, reports)
+
+
+async def _oci_run(args: argparse.Namespace, tasks: list, current: dict[str, Report]) -> None:
+    from _oci_images import disk_per_image_current, oci_tasks, side_by_side
+
+    from sandpool.core.images import ImageStore
+
+    store = ImageStore()
+    otasks = oci_tasks(len(tasks), store)
+    oci: dict[str, Report] = {}
+    for name in STRATEGIES:
+        oci[name] = await run_batch(otasks, [OraclePolicy(), NoopPolicy()], LocalBackend(store=store),
+                                    rollouts_per_task=args.rollouts, concurrency=args.concurrency,
+                                    strategy=name)
+        print(f"oci {name}: done in {oci[name].wall_time_s:.1f} s", flush=True)
+    disk_cur = disk_per_image_current(LocalBackend().images_root, {t.image for t in tasks})
+    text = "\n".join([
+        f"OCI images: {len(otasks)} tasks x {args.rollouts} rollouts, {len(otasks)} images, "
+        f"concurrency {args.concurrency}", table(oci), "", *verdicts(oci, args.concurrency), "",
+        "current images vs OCI images (same workload shape):",
+        *side_by_side(current, oci, disk_cur, store, len(otasks))])
+    print(text)
+    (args.out / "local_strategies_oci.txt").write_text(text + "\n")
+    (args.out / "local_strategies_oci.json").write_text(json.dumps(
+        {n: r.model_dump(mode="json") for n, r in oci.items()}, indent=2))
+    ttfc_cdf(oci, args.out / "local_strategies_oci_ttfc_cdf.png", "TTFC CDF, local backend, OCI images")
 
 
 if __name__ == "__main__":

@@ -134,7 +134,8 @@ async def test_pip_install_during_a_rollout_is_gone_after_reset(oci_backend: Loc
     await sb.write_file("/tmp/pkgx/setup.py", b"from setuptools import setup\nsetup(name='pkgx', py_modules=['pkgx'])\n")
     await sb.write_file("/tmp/pkgx/pkgx.py", b"VALUE = 42\n")
     res = await sb.exec("pip install -q --no-index --no-build-isolation /tmp/pkgx && python -c 'import pkgx' "
-                        "&& echo note > /root/note", timeout=120)
+                        "&& echo note > /root/note && echo '[core]\n\thooksPath = /tmp/h' >> .git/config"
+                        " && echo x >> calcpkg/__init__.py && git stash -q", timeout=120)
     assert res.ok, res.err_text
     assert any(path.startswith("/opt/testbed-env/") for path, _ in await sb.changes_outside_repo())
     outcome = await reset_in_place(sb, swe_task.base_commit)
@@ -142,6 +143,9 @@ async def test_pip_install_during_a_rollout_is_gone_after_reset(oci_backend: Loc
     assert await sb.changes_outside_repo() == []
     res = await sb.exec("python -c 'import pkgx'; test -e /root/note")
     assert "No module named 'pkgx'" in res.err_text and res.exit_code != 0
+    # The repo, .git included, came back through the host-side upper/lower comparison.
+    git = await sb.exec("git status --porcelain --ignored; git stash list; git config --get core.hooksPath")
+    assert git.text == "" and sb.head == swe_task.base_commit
 
 
 async def test_an_edit_outside_the_repo_quarantines_with_what_was_found(oci_backend: LocalBackend,

@@ -40,12 +40,16 @@ from pathlib import Path
 from sandpool.core import errors
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
-from sandpool.core.mounts import bind_ro, umount
+from sandpool.core.mounts import bind_ro, mount_overlay, umount
 
-__all__ = ["PUBLIC_ROOT", "bwrap_argv", "host_python", "lowerdirs", "map_ids", "prepare_host",
-           "public_dir", "release_host", "skeleton"]
+__all__ = ["IMAGE_IN_SANDBOX", "PUBLIC_ROOT", "bwrap_argv", "changes_outside", "host_python",
+           "image_view", "lowerdirs", "map_ids", "prepare_host", "public_dir", "release_host",
+           "skeleton"]
 
 _SP = "/.sandpool"
+#: Where an OCI sandbox sees its image's pristine repo, read-only (the source of in-place
+#: restores, as for image directories).
+IMAGE_IN_SANDBOX = f"{_SP}/image"
 PUBLIC_ROOT = Path("/run/sandpool")
 _AGENT_IN = f"{_SP}/agent.py"
 
@@ -95,12 +99,12 @@ def skeleton(run_dir: Path) -> Path:
     if ready.exists():
         return skel
     sp = skel / ".sandpool"
-    for d in (sp / "usr", sp / "python", sp / "work-cgroup"):
+    for d in (sp / "usr", sp / "python", sp / "work-cgroup", sp / "image"):
         d.mkdir(parents=True, exist_ok=True)
     marks = [sp / "agent.py", sp / "work-cgroup" / "0", sp / "work-cgroup" / "1"]
     for f in marks:
         f.touch()
-    for p in (skel, sp, sp / "usr", sp / "python", sp / "work-cgroup", *marks):
+    for p in (skel, sp, sp / "usr", sp / "python", sp / "work-cgroup", sp / "image", *marks):
         os.chown(p, ID_BASE, ID_BASE)
     os.chmod(skel, 0o755)
     ready.touch()
@@ -142,12 +146,31 @@ def prepare_host(run_id: str, agent: Path) -> Path:
     return pub
 
 
+def image_view(pub: Path, store: ImageStore, img: OciImage) -> Path:
+    """Mount (once per run) and return a read-only view of ``img``'s layers under ``pub``.
+
+    It is the image as a sandbox first sees it: the host compares a sandbox's upper layer with
+    it (``_overlay.diff``), and the agent copies pristine files from it on an in-place reset.
+    """
+    view = pub / f"img-{img.digest.split(':')[1][:16]}"
+    if os.path.ismount(view):
+        return view
+    empty = pub / "empty"  # overlay wants two lower layers when it has no upper one
+    empty.mkdir(exist_ok=True)
+    view.mkdir(exist_ok=True)
+    layers = [store.layer_path(layer.diff_id) for layer in reversed(img.layers)]
+    mount_overlay([*layers, empty], None, None, view, readonly=True)
+    return view
+
+
 def release_host(pub: Path) -> None:
     """Unmount whatever is mounted under ``pub`` and remove it; never raises."""
     if not pub.is_dir():
         return
     for child in pub.iterdir():
-        if child.name == "host":
+        if child.name.startswith("img-"):
+            umount(child)
+        elif child.name == "host":
             for leaf in ("python", "agent.py"):
                 umount(child / leaf)
         else:
@@ -156,7 +179,8 @@ def release_host(pub: Path) -> None:
 
 
 def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path,
-               block_fd: int, info_fd: int, work_procs: Sequence[str] = ()) -> list[str]:
+               block_fd: int, info_fd: int, work_procs: Sequence[str] = (),
+               view: Path | None = None) -> list[str]:
     """The bubblewrap command line of one OCI sandbox (see the module docstring)."""
     _, py_argv = host_python()
     env = dict(e.split("=", 1) for e in img.env if "=" in e)
@@ -185,6 +209,9 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         "--ro-bind", str(pub / "host" / "python"), f"{_SP}/python",
         "--ro-bind", str(pub / "host" / "agent.py"), _AGENT_IN,
     ]
+    repo_view = view / img.repo_dir.lstrip("/") if view is not None else None
+    if repo_view is not None and (repo_view / ".git").is_dir():
+        argv += ["--ro-bind", str(repo_view), IMAGE_IN_SANDBOX]
     # The agent puts each command into the work cgroup through these files only (see local).
     for i, procs in enumerate(work_procs):
         argv += ["--bind", procs, f"{_SP}/work-cgroup/{i}"]

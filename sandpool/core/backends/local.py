@@ -110,7 +110,10 @@ class LocalSandbox(Sandbox):
                  state_dir: Path, upper: Path | None = None) -> None:
         self.id = sid
         self.image = image.name
-        self._lower = None if isinstance(image, OciImage) else image.repo
+        #: The image's repo on the host (the lower side of :meth:`restore_repo`) and where the
+        #: agent sees it read-only; for OCI images set by the backend (a read-only view).
+        self._lower: str | None = None if isinstance(image, OciImage) else image.repo
+        self._image_in_sandbox = _IMAGE_IN_SANDBOX
         self.workdir = image.repo_dir if isinstance(image, OciImage) else image.workdir
         self.head = image.head
         self.state_dir = state_dir
@@ -304,14 +307,13 @@ class LocalSandbox(Sandbox):
         with the image again, on the host, out of the policy's reach. Cost: O(paths changed).
         """
         if self._lower is None or self.upper is None:
-            # An OCI image's repo may span several layers: the generic path (a pristine
-            # record taken when the sandbox was fresh) restores and verifies it instead.
-            return None
-        upper = self.upper
+            return None  # no read-only view of the image's repo: the generic path instead
+        # An OCI sandbox's overlay is its whole root: the repo is one subtree of its upper.
+        upper = self.upper / self.workdir.lstrip("/") if self.oci is not None else self.upper
         changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under)
         if not changes:
             return []
-        msg = await self._call("restore", timeout, root=self.workdir, image=_IMAGE_IN_SANDBOX,
+        msg = await self._call("restore", timeout, root=self.workdir, image=self._image_in_sandbox,
                                changes=[[c.path, c.kind] for c in changes])
         left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under)
         return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
@@ -560,8 +562,10 @@ class LocalBackend(Backend):
                 info_r, info_w = os.pipe()
                 block_r, block_w = os.pipe()
                 pass_fds = (info_w, block_r)
+                view = _oci.image_view(pub, self.store, img)
                 argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
-                                       block_fd=block_r, info_fd=info_w, work_procs=work_procs)
+                                       block_fd=block_r, info_fd=info_w, work_procs=work_procs,
+                                       view=view)
             else:
                 merged = state / "merged"
                 merged.mkdir()
@@ -597,7 +601,11 @@ class LocalBackend(Backend):
             self._cleanup_state(sid, state)
             raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
         sandbox = LocalSandbox(sid, img, proc, state, upper)
-        sandbox.lowers = lowers if oci else []
+        if oci:
+            sandbox.lowers = lowers
+            if (view / img.repo_dir.lstrip("/") / ".git").is_dir():
+                sandbox._lower = str(view / img.repo_dir.lstrip("/"))
+                sandbox._image_in_sandbox = _oci.IMAGE_IN_SANDBOX
         self._live[sid] = sandbox
         try:
             if oci:

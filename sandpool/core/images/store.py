@@ -229,14 +229,6 @@ class ImageStore:
                 out.append(img)
         return sorted(out, key=lambda i: i.name)
 
-    def _digests(self) -> list[OciImage]:
-        out = []
-        if self.images_dir.is_dir():
-            for d in self.images_dir.iterdir():
-                if (d / _MARKER).is_file():
-                    out.append(OciImage.model_validate_json((d / "image.json").read_text()))
-        return out
-
     def names(self) -> dict[str, str]:
         """Map of every name (ref) to the manifest digest it points at."""
         out = {}
@@ -249,7 +241,7 @@ class ImageStore:
 
     def usage(self) -> StoreUsage:
         """Sizes: the images as if unshared against what the unique layers take on disk."""
-        imgs = self._digests()
+        imgs = self.images()  # per name: two names of one digest are two images to a user
         layers = [p for p in self.layers_dir.glob("*.json")] if self.layers_dir.is_dir() else []
         on_disk = 0
         for meta in layers:
