@@ -160,7 +160,7 @@ def _kill_tree(proc, marker, start, own):
         pids = set(_descendants(proc.pid)) | set(_tagged(marker))
         if start is not None:
             pids |= set(_late_orphans(start, own))
-        pids -= {_SELF, 1}
+        pids = {p for p in pids - {_SELF, 1} if not _zombie(p)}  # a zombie is dead already
         if not pids or time.monotonic() > deadline:
             return
         for pid in pids:
@@ -169,6 +169,14 @@ def _kill_tree(proc, marker, start, own):
             except OSError:
                 pass
         time.sleep(0.005)
+
+
+def _zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True  # gone
 
 
 def _in_work_cgroup(argv):
