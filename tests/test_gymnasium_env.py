@@ -473,26 +473,32 @@ def test_interrupted_or_unclosed_process_leaves_no_sandbox(opts: dict, how: str)
     sends it as soon as the env says it is about to step, wherever the process then is.
     """
     code = textwrap.dedent(f"""
-        import json, sys, gymnasium as gym, sandpool
+        import json, signal, sys, gymnasium as gym, sandpool
         from sandpool.core import Task
+        # As at a terminal's Ctrl-C, even when the test runs as a background job (SIGINT ignored).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         env = gym.make("{ENV_ID}", tasks=[Task.model_validate_json(sys.argv[1])],
                        backend_options={{"images_root": sys.argv[2]}}, step_timeout=60.0)
         env.reset(seed=0)
         u = env.unwrapped
         print(json.dumps({{"pid": u.sandbox.pid, "run_dir": str(u.pool.pool.backend._run_dir)}}), flush=True)
+        sys.stdin.readline()  # go on once the test has seen the sandbox alive
         if sys.argv[3].startswith("sigint"):
             env.step({" ".join(_STEP)!r})   # SIGINT arrives here
             print("not interrupted", flush=True)
     """)
     proc = subprocess.Popen([sys.executable, "-c", code, opts["tasks"][0].model_dump_json(),
                              opts["backend_options"]["images_root"], how],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     step_pid = None
     try:
         line = proc.stdout.readline()
         assert line, proc.stderr.read()
         state = json.loads(line)
         assert _alive(state["pid"])
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
         if how == "sigint-mid-step":
             step_pid = wait_until(
                 lambda: proc.poll() is not None or _descendant_with_argv(state["pid"], _STEP),
@@ -504,6 +510,7 @@ def test_interrupted_or_unclosed_process_leaves_no_sandbox(opts: dict, how: str)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()
     if how.startswith("sigint"):
         assert "KeyboardInterrupt" in err and proc.returncode != 0, (out, err)
         assert "not interrupted" not in out

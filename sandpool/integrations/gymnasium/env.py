@@ -259,8 +259,9 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         Raises:
             gymnasium.error.ResetNeeded: No running episode.
             TypeError: ``action`` is not a string.
-            InfraError: Infra failed mid-episode and ``on_infra_failure="raise"`` (the
-                episode is over; it is reported ``infra_failed``).
+            InfraError, InputError: The episode ended unscored (infra failed, or the task
+                cannot run) and ``on_infra_failure="raise"``; it is reported
+                ``infra_failed`` / ``rejected``.
         """
         self._check_open()
         if not isinstance(action, str):

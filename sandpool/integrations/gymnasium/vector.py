@@ -14,21 +14,23 @@ Autoreset (``metadata["autoreset_mode"]``):
   ``reset(options={"reset_mask": mask})`` (``mask``: ``np.bool_`` array of shape
   ``(num_envs,)``); stepping an ended sub-env raises ``ResetNeeded``.
 
-Infra failures (see ``on_infra_failure`` in :mod:`sandpool.integrations.gymnasium.session`)
-hit only the sub-env they happen in; every other sub-env's step result is kept:
+Failures (see ``on_infra_failure`` in :mod:`sandpool.integrations.gymnasium.session`; whose
+fault each is comes from the core classifier) hit only the sub-env they happen in; every
+other sub-env's step result is kept:
 
-* a sub-env whose sandbox fails mid-episode reports the failure as the single env would
-  (default: reward NaN, ``truncated=True``, ``info["infra_failed"]``);
-* a sub-env whose autoreset fails (every claim failed) reports the same, with
+* a sub-env whose sandbox fails mid-episode reports it as the single env would (default:
+  reward NaN, ``truncated=True``, ``info["infra_failed"]``);
+* a sub-env whose autoreset fails (every claim failed: ``info["infra_failed"]``; or the drawn
+  task cannot run: ``info["rejected"]``) reports the same unscored end, with
   ``info["reset_failed"]=True`` and its last observation, and is reset again at the next
   step;
 * with ``on_infra_failure="raise"``, ``step`` first completes the whole batch, then raises
-  the first sub-env's ``InfraError`` with the batch as ``exc.step_results``
+  the first such sub-env's error with the batch as ``exc.step_results``
   (``(obs, rewards, terminated, truncated, infos)``, the failed sub-envs flagged as above);
   the env's state has advanced as if the batch had been returned, so stepping may go on.
 
-Any other error of a sub-env (bad input, a bug) is raised after the others finished their
-step, whose state is kept.
+Any other error of a sub-env (a fatal backend error, a bug in a policy's wrapper, an
+interrupt) is raised after the others finished their step, whose state is kept.
 
 Observations are batched as Gymnasium does for the single ``Dict`` space: ``Text`` keys become
 tuples of ``num_envs`` strings, ``exit_code`` an ``int64`` array of shape ``(num_envs,)``.
@@ -277,8 +279,8 @@ class SWEVectorEnv(VectorEnv):
             gymnasium.error.ResetNeeded: Not reset yet, or (``DISABLED``) a sub-env ended and
                 was not reset.
             ValueError: Wrong number of actions.
-            InfraError: A sub-env's infra failed and ``on_infra_failure="raise"``; the batch
-                is on the exception as ``step_results`` (see the module docstring).
+            InfraError, InputError: A sub-env ended unscored and ``on_infra_failure="raise"``;
+                the batch is on the exception as ``step_results`` (see the module docstring).
         """
         self._check_open()
         if not self._started.all():
