@@ -168,7 +168,7 @@ def test_exec_argv_carries_markers_and_the_kwok_confinement_prefix():
     i = argv.index("sandpool-exec")
     assert argv[i + 4 : i + 8] == ["run1-c1.4", "run1-c1", str(1 << 20), "1"]  # markers, cap, env
     assert argv[i + 8 :] == ["A=1", "/bin/bash", "-c", "echo hi"]
-    assert "/w/pod/.git/sandpool-tmp" in argv  # the pod's own /tmp, never the host's
+    assert "/w/pod.tmp" in argv  # the pod's own /tmp, never the host's
     plain = build_argv(
         ExecTarget("ns", "pod", "sandbox", "s", "/testbed"),
         "s.1",

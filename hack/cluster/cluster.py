@@ -573,6 +573,19 @@ def node_manifest(i: int, cpu: str, memory: str, pods: str) -> dict[str, Any]:
     }
 
 
+def image_model_params(args: argparse.Namespace) -> dict[str, float] | None:
+    """The seed image model's parameters (imagemodel.py), or None for the flat model."""
+    if args.image_model == "flat":
+        return None
+    return {
+        "min_gb": args.image_min_gb,
+        "median_gb": args.image_median_gb,
+        "sigma": args.image_sigma,
+        "disk_gb": args.node_image_disk_gb,
+        "bandwidth_mbps": args.node_bandwidth_mbps,
+    }
+
+
 def up(args: argparse.Namespace) -> None:
     t_start = time.monotonic()
     if running(load_state()):
@@ -766,7 +779,10 @@ def _start(state, args, bins: Path, out: Path, pki: Path, server: str, kubeconfi
         "boot_ms": args.boot_ms,
         "jitter": args.jitter,
         "preload_images": [i for i in args.preload_images.split(",") if i],
+        "image_model": image_model_params(args),
     }
+    state["image_model"] = prov_cfg["image_model"]
+    save_state(state)
     (rd / "provisioner.json").write_text(json.dumps(prov_cfg, indent=2))
     spawn(
         state,
@@ -893,6 +909,8 @@ def status(_: argparse.Namespace) -> None:
     print(f"apiserver:   {state['server']}  (metrics: {state['server']}/metrics)")
     print(f"kubeconfig:  {state['kubeconfig']}")
     print(f"pod workdirs:{state['pod_root']}/<namespace>/<pod>/")
+    if state.get("image_model"):
+        print(f"image model: seed {state['image_model']} (log: {state['run_dir']}/image-model.jsonl)")
     if "up_seconds" in state:
         print(f"up took:     {state['up_seconds']} s")
     print("processes:")
@@ -960,6 +978,21 @@ def main(argv: list[str] | None = None) -> None:
         default=float(env("SANDPOOL_CLUSTER_JITTER", "0.2")),
         help="each delay is scaled by uniform(1-j, 1+j)",
     )
+    p_up.add_argument(
+        "--image-model",
+        choices=("flat", "seed"),
+        default=env("SANDPOOL_CLUSTER_IMAGE_MODEL", "flat"),
+        help="flat: --pull-ms per uncached image; seed: sizes, disk, LRU, shared bandwidth",
+    )
+    for flag, default, what in (
+        ("--image-min-gb", "1.2", "seed model: smallest image (GB)"),
+        ("--image-median-gb", "2.5", "seed model: median image size (GB)"),
+        ("--image-sigma", "0.6", "seed model: lognormal sigma of size above the minimum"),
+        ("--node-image-disk-gb", "100", "seed model: image disk per node (GB), LRU-evicted"),
+        ("--node-bandwidth-mbps", "400", "seed model: pull bandwidth per node (MB/s), shared"),
+    ):
+        var = "SANDPOOL_CLUSTER_" + flag.lstrip("-").replace("-", "_").upper()
+        p_up.add_argument(flag, type=float, default=float(env(var, default)), help=what)
     p_up.add_argument(
         "--preload-images",
         default=env("SANDPOOL_CLUSTER_PRELOAD_IMAGES", ""),

@@ -23,15 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import queue
 import random
 import shutil
+import signal
 import subprocess
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from imagemodel import ImageModel
 from kubeapi import ApiError, Kube
 
 ANN = "sandpool.io/"
@@ -51,6 +54,14 @@ class Provisioner:
         self._images_lock = threading.Lock()
         self._queues = [queue.Queue() for _ in range(int(cfg.get("workers", 8)))]
         self._done: set[str] = set()  # pod uids provisioned (or given up on)
+        # The seed's image conditions (imagemodel.py), or None for the flat pull model.
+        self.model = (
+            ImageModel(cfg["image_model"], self.root / "image-model.jsonl")
+            if cfg.get("image_model")
+            else None
+        )
+        self._reap: set[str] = set()  # workdirs of deleted pods whose processes must die
+        self._reap_lock = threading.Lock()
 
     def kube(self) -> Kube:
         return Kube.from_pki(self.server, self.pki, user_agent="sandpool-provisioner")
@@ -179,7 +190,28 @@ class Provisioner:
             exec_obj["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
             kube.request("PUT", f"{path}/{name}", exec_obj)
 
+        if self.model is not None:
+            # The pod starts when the model says its images are on the node.
+            self.model.acquire(
+                pod["spec"]["nodeName"],
+                uid,
+                list(dict.fromkeys(c["image"] for c in pod["spec"]["containers"])),
+                lambda verdict, waited: self._dispatch("READY", pod, (verdict, waited, t0)),
+            )
+            return
         pull_ms, boot_ms, verdict, new_images = self.start_delays(pod)
+        self._mark_provisioned(kube, pod, verdict, pull_ms, boot_ms, t0)
+        if new_images:
+            self._record_pull(kube, pod["spec"]["nodeName"])
+
+    def _mark_provisioned(
+        self, kube: Kube, pod: dict[str, Any], verdict: str, pull_ms: float, boot_ms: float,
+        t0: float, waited_s: float | None = None,
+    ) -> None:
+        meta = pod["metadata"]
+        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        ann = meta.get("annotations") or {}
+        workdir = self.workdir(ns, name)
         patch = {
             ANN + "provisioned": "true",
             ANN + "workdir": str(workdir),
@@ -188,6 +220,8 @@ class Provisioner:
         # A delay the pod sets itself wins over the model.
         patch.setdefault(ANN + "pull-delay", ann.get(ANN + "pull-delay") or f"{int(pull_ms)}ms")
         patch.setdefault(ANN + "boot-delay", ann.get(ANN + "boot-delay") or f"{int(boot_ms)}ms")
+        if waited_s is not None:
+            patch[ANN + "pull-wait"] = f"{waited_s:.2f}s"
         try:
             kube.request(
                 "PATCH",
@@ -199,8 +233,6 @@ class Provisioner:
             if e.status in (404, 409, 422):  # deleted (or replaced: uid mismatch) meanwhile
                 return
             raise
-        if new_images:
-            self._record_pull(kube, pod["spec"]["nodeName"])
         LOG.info(
             "provisioned %s/%s in %.0f ms (pull %s %d ms, boot %d ms)",
             ns,
@@ -238,28 +270,71 @@ class Provisioner:
             LOG.warning("could not annotate the failure: %s", e)
 
     def cleanup(self, ns: str, name: str, uid: str | None) -> None:
+        if self.model is not None and uid is not None:
+            self.model.release(uid)
+        with self._reap_lock:
+            self._reap.add(str(self.workdir(ns, name)))
         uid_file = self._uid_file(ns, name)
         if not uid_file.exists():
             return
         if uid is not None and uid_file.read_text() != uid:
             return  # the directory belongs to a newer pod of the same name
         shutil.rmtree(self.workdir(ns, name), ignore_errors=True)
+        # The pod's private /tmp (sandpool.testing.kwok.exec_prefix), next to its workdir.
+        shutil.rmtree(f"{self.workdir(ns, name)}.tmp", ignore_errors=True)
         uid_file.unlink(missing_ok=True)
         LOG.info("removed workdir of %s/%s", ns, name)
 
     # ---- event plumbing ----------------------------------------------------------
-    def _dispatch(self, kind: str, pod: dict[str, Any]) -> None:
+    def _dispatch(self, kind: str, pod: dict[str, Any], extra: Any = None) -> None:
         meta = pod["metadata"]
         key = f"{meta['namespace']}/{meta['name']}"
-        self._queues[hash(key) % len(self._queues)].put((kind, pod))
+        self._queues[hash(key) % len(self._queues)].put((kind, pod, extra))
+
+    def _reaper(self) -> None:
+        """Kill the processes of deleted pods, as a kubelet stops a pod's containers.
+
+        kwok's exec does not end a command when its stream closes, so a pod's long-lived
+        exec (sandpool's agent session) and whatever its commands left running would outlive
+        the pod. Every exec'd process carries ``SANDPOOL_WORKDIR=<the pod's workdir>``; one
+        scan of /proc per interval serves every pod deleted in it.
+        """
+        while True:
+            time.sleep(0.5)
+            with self._reap_lock:
+                batch, self._reap = self._reap, set()
+            if not batch:
+                continue
+            needles = {f"SANDPOOL_WORKDIR={w}".encode() for w in batch}
+            killed = 0
+            for entry in Path("/proc").iterdir():
+                if not entry.name.isdigit():
+                    continue
+                try:
+                    env = (entry / "environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if needles.intersection(env):
+                    try:
+                        os.kill(int(entry.name), signal.SIGKILL)
+                        killed += 1
+                    except OSError:
+                        pass
+            if killed:
+                LOG.info("killed %d processes of %d deleted pods", killed, len(batch))
 
     def _worker(self, q: queue.Queue) -> None:
         kube = self.kube()
         while True:
-            kind, pod = q.get()
+            kind, pod, extra = q.get()
             meta = pod["metadata"]
             try:
-                if kind == "DELETED":
+                if kind == "READY":
+                    verdict, waited, t0 = extra
+                    boot_ms = self._jitter(float(self.cfg["boot_ms"]))
+                    pull_ms = self._jitter(float(self.cfg["cached_pull_ms"]))
+                    self._mark_provisioned(kube, pod, verdict, pull_ms, boot_ms, t0, waited)
+                elif kind == "DELETED":
                     self._done.discard(meta["uid"])
                     self.cleanup(meta["namespace"], meta["name"], meta["uid"])
                 elif meta["uid"] not in self._done:
@@ -331,6 +406,7 @@ class Provisioner:
     def run(self) -> None:
         for q in self._queues:
             threading.Thread(target=self._worker, args=(q,), daemon=True).start()
+        threading.Thread(target=self._reaper, daemon=True).start()
         threading.Thread(
             target=self._list_watch,
             args=(

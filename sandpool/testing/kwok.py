@@ -74,8 +74,9 @@ def exec_prefix(pod: Mapping[str, Any], workdir: str, session: bool = False) -> 
         "sandpool-kwok",
         host_wd,
         workdir,
-        # Inside .git: git never sees it, and it is removed with the pod's workdir.
-        f"{host_wd}/.git/sandpool-tmp",
+        # Next to the workdir, not in it: git never sees it and a reset that restores .git
+        # keeps it; the provisioner removes it with the workdir.
+        f"{host_wd.rstrip('/')}.tmp",
         "session" if session else "exec",
     ]
 

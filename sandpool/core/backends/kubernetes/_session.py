@@ -147,8 +147,14 @@ class AgentSession:
         self.client.fail(err)
 
     async def aclose(self) -> None:
-        """Close the stream (the agent reads EOF and exits); idempotent."""
+        """Close the agent's stdin (``v5``: it reads EOF and exits), then the stream; idempotent."""
         if self._ws is not None and not self._ws.closed:
+            with contextlib.suppress(Exception):
+                if self._ws.protocol == "v5.channel.k8s.io":
+                    async with self._send_lock:
+                        await self._ws.send_bytes(bytes([_CLOSE, _STDIN]))
+                    # The agent's exit ends the stream with its status; do not wait long.
+                    await asyncio.wait_for(asyncio.shield(self._reader), 2.0)
             with contextlib.suppress(Exception):
                 await self._ws.close()
         if self._reader is not None:
