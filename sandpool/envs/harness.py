@@ -111,15 +111,23 @@ def plan_for(task: Task) -> TestPlan:
 
     Raises:
         BrokenTaskError: The harness has no test command for the task (an unknown
-            repo/version for SWE-bench, no ``expected_output_json`` for R2E-Gym), or the task
-            lists no test at all.
+            repo/version for SWE-bench, no ``expected_output_json`` for R2E-Gym), its test
+            patch is not a valid diff, or the task lists no test at all.
     """
     harness = harness_of(task)
     if harness != "r2e-gym" and not task.FAIL_TO_PASS and not task.PASS_TO_PASS:
         raise BrokenTaskError(f"task {task.instance_id}: FAIL_TO_PASS and PASS_TO_PASS are both "
                               "empty; list the test ids that decide the task", task_id=task.instance_id)
-    return {"swebench": _swebench_plan, "swe-smith": _swesmith_plan, "r2e-gym": _r2e_plan,
-            "pytest": _pytest_plan}[harness](task)
+    try:
+        return {"swebench": _swebench_plan, "swe-smith": _swesmith_plan, "r2e-gym": _r2e_plan,
+                "pytest": _pytest_plan}[harness](task)
+    except BrokenTaskError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - unidiff's parse errors: the row's patch is malformed
+        if type(exc).__module__.startswith("unidiff"):
+            raise BrokenTaskError(f"task {task.instance_id}: test_patch is not a valid unified diff "
+                                  f"({exc}); fix the row", task_id=task.instance_id) from None
+        raise
 
 
 # -- SWE-bench ---------------------------------------------------------------------------------
