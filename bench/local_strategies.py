@@ -5,12 +5,16 @@ strategy, prints the figures side by side, and writes ``local_strategies.json``,
 ``local_strategies.txt`` and ``local_strategies_ttfc_cdf.png`` (CDF of TTFC) to ``--out``.
 
     .venv/bin/python bench/local_strategies.py [--tasks 8] [--rollouts 4] [--concurrency 8]
+        [--strategies cold,warm,reuse]
     .venv/bin/python bench/local_strategies.py --images oci   # + the same on OCI images
 
 ``--images oci`` also runs the workload on OCI images (``bench/_oci_images.py``: one
 SWE-bench-shaped image per task, layers shared) and prints, side by side with the current
 images: cold start, warm and reuse TTFC, reset time and disk per image. Target: OCI cold start
 within 1.5x of the current images', reuse TTFC unchanged.
+
+Reset mean and max are the in-place reset's time (restore + verification) per release under
+``reuse``; to compare two versions of the reset, run ``--strategies reuse`` on each.
 
 Targets on a 2-core machine: warm TTFC p50 <= 20 ms; reuse max TTFC >= 10x below cold max;
 reuse creates no more sandboxes than the concurrency.
@@ -63,6 +67,9 @@ def table(reports: dict[str, Report]) -> str:
         ("TTFC max (ms)", lambda r: _ms(r.ttfc.max_s)),
         ("sandboxes created", lambda r: str(r.sandboxes_created)),
         ("resets / quarantines", lambda r: f"{r.resets} / {r.quarantines}"),
+        ("reset mean (ms)", lambda r: _ms(r.pool.reset_total_s / n) if (n := r.resets + r.quarantines)
+         else "-"),
+        ("reset max (ms)", lambda r: _ms(r.pool.reset_max_s) if r.resets + r.quarantines else "-"),
         ("completed/infra/task", lambda r: "/".join(str(v) for v in r.failures.values())),
         ("reward mean", lambda r: "-" if r.reward.mean is None else f"{r.reward.mean:.3f}"),
         ("wall time (s)", lambda r: f"{r.wall_time_s:.1f}"),
@@ -94,17 +101,25 @@ async def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("reports/bench"))
     ap.add_argument("--images", choices=("current", "oci"), default="current",
                     help="oci: also run on OCI images and compare")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help="comma-separated subset of cold,warm,reuse (the targets need all three)")
     args = ap.parse_args()
+    strategies = [s for s in args.strategies.split(",") if s]
+    if not strategies or set(strategies) - set(STRATEGIES):
+        ap.error(f"--strategies: pick from {','.join(STRATEGIES)}, got {args.strategies!r}")
+    if args.images == "oci" and len(strategies) != len(STRATEGIES):
+        ap.error("--images oci compares all three strategies; drop --strategies")
     tasks = _spread(load_tasks(await abuild_default_pack()), args.tasks)
     reports: dict[str, Report] = {}
-    for name in STRATEGIES:
+    for name in strategies:
         reports[name] = await run_batch(tasks, [OraclePolicy(), NoopPolicy()], LocalBackend(),
                                         rollouts_per_task=args.rollouts, concurrency=args.concurrency,
                                         strategy=name)
         print(f"{name}: done in {reports[name].wall_time_s:.1f} s", flush=True)
     head = (f"local strategies: {len(tasks)} tasks x {args.rollouts} rollouts, "
             f"{len({t.image for t in tasks})} images, concurrency {args.concurrency}")
-    text = "\n".join([head, table(reports), "", *verdicts(reports, args.concurrency)])
+    checks = verdicts(reports, args.concurrency) if len(reports) == len(STRATEGIES) else []
+    text = "\n".join([head, table(reports), "", *checks])
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "local_strategies.txt").write_text(text + "\n")

@@ -40,7 +40,7 @@ class MemorySandbox(Sandbox):
             self.at = m.group(1)
             self.dirty = False
         if "ls -A" in cmd and "@@sandpool-verify@@" in cmd:  # scratch check: all clean
-            return ExecResult(0, b"@@sandpool-verify@@\n")
+            return ExecResult(0, b"@@sandpool-verify@@\n@@sandpool-verify@@\n")
         return ExecResult(0, b"ok\n")
 
     async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str]:

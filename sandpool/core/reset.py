@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import shlex
+import uuid
 import weakref
 from dataclasses import dataclass
 
@@ -164,37 +165,31 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
         InfraError: The sandbox could not be reached.
     """
     killed = await sandbox.kill_strays()
-    dirs = " ".join(sandbox.scratch)
-    # Only the sandbox's own IPC namespace may be emptied: a kwok pod's exec shares the host's.
-    ipc = " ipcrm --all 2>/dev/null;" if sandbox.private_ipc else ""
-    res = await sandbox.exec(
-        f"for d in {dirs}; do [ ! -d $d ] || find $d -mindepth 1 -delete || exit 1; done;{ipc} true",
-        timeout=timeout)
-    problems = [] if res.ok else [f"clearing {dirs} failed: {res.err_text.strip()[:200]}"]
-    problems += await _restore(sandbox, "", timeout)
+    problems = await _restore(sandbox, "", timeout)
     problems += await _outside_repo(sandbox, timeout)
-    problems += await _verify_outside_repo(sandbox, timeout)
     if problems:
         return ResetOutcome(False, tuple(problems), killed)
-    head = sandbox.head
-    if commit != head:
-        try:
-            await checkout(sandbox, commit, timeout=timeout)
-            head = commit
-        except InputError:
-            pass  # still pristine at the image's head; the claim reports the bad commit
-    res = await sandbox.exec(f"{SAFE_GIT} update-index -q --refresh; true", timeout=timeout)
-    return ResetOutcome(True, (), killed, head)
-
-
-async def _verify_outside_repo(sandbox: Sandbox, timeout: float) -> list[str]:
+    # The repo is the image's now, config and hooks included: sandpool's own git may run on
+    # it. One command empties the scratch space, checks out the claimed commit, refreshes
+    # the index's stat cache, and lists what is left outside the repo (it must be nothing).
+    dirs = " ".join(sandbox.scratch)
+    head = commit if commit != sandbox.head else sandbox.head
+    git = (f"{SAFE_GIT} checkout -q -f --detach {shlex.quote(commit)} || echo checkout-failed;"
+           if commit != sandbox.head else "")
+    # Only the sandbox's own IPC namespace may be emptied: a kwok pod's exec shares the host's.
+    ipc_clear = " ipcrm --all 2>/dev/null;" if sandbox.private_ipc else ""
+    ipc_list = (" cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg 2>/dev/null"
+                " | grep -v '^ *key';" if sandbox.private_ipc else "")
     res = await sandbox.exec(
-        f"for d in {' '.join(sandbox.scratch)}; do [ ! -d $d ] || ls -A $d; done; echo {_SEP};"
-        + (" cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg 2>/dev/null | grep -v '^ *key'"
-           if sandbox.private_ipc else ""),
+        f"for d in {dirs}; do [ ! -d $d ] || find $d -mindepth 1 -delete; done;{ipc_clear}"
+        f" {git} {SAFE_GIT} update-index -q --refresh; echo {_SEP};"
+        f" for d in {dirs}; do [ ! -d $d ] || ls -A $d; done; echo {_SEP};{ipc_list} true",
         timeout=timeout)
-    left, ipc = (res.text.split(_SEP + "\n") + [""])[:2]
-    problems = []
+    out, left, ipc = (res.text.split(_SEP + "\n") + ["", ""])[:3]
+    if not res.ok or res.text.count(_SEP) != 2:
+        problems.append(f"clearing {dirs} failed (exit {res.exit_code}): {res.err_text.strip()[:200]}")
+    if "checkout-failed" in out:
+        problems.append(f"checkout of {commit} failed: {res.err_text.strip()[:200]}")
     if left.split():
         problems.append(f"scratch space not empty: {left.split()[:5]}")
     if ipc.strip():
@@ -202,7 +197,9 @@ async def _verify_outside_repo(sandbox: Sandbox, timeout: float) -> list[str]:
     procs = await sandbox.processes()
     if procs:
         problems.append(f"processes left: {procs[:5]}")
-    return problems
+    if problems:
+        return ResetOutcome(False, tuple(problems), killed)
+    return ResetOutcome(True, (), killed, head)
 
 
 async def _restore(sandbox: Sandbox, under: str, timeout: float) -> list[str]:
@@ -285,31 +282,34 @@ async def _generic_restore(sandbox: Sandbox, under: str, timeout: float) -> list
     if rec is None:
         return [f"no pristine record of sandbox {sandbox.id} (record_pristine was not called when fresh)"]
     objects = sorted(_path_of(h) for h in rec.hashes if _path_of(h).startswith("./.git/objects/"))
-    await sandbox.write_file("/tmp/.sandpool-git.tar", rec.git_meta)
-    await sandbox.write_file("/tmp/.sandpool-objects", "".join(f"{p}\n" for p in objects).encode())
+    # The restore's inputs go to a directory named at random now: the policy cannot have
+    # planted anything (a symlink named like an input) there in advance.
+    tmp = f"/tmp/.sandpool-restore-{uuid.uuid4().hex}"
+    await sandbox.write_file(f"{tmp}/git.tar", rec.git_meta)
+    await sandbox.write_file(f"{tmp}/objects", "".join(f"{p}\n" for p in objects).encode())
     own = " ".join(f"! -path ./{p}" for p in _OWN_GIT_PATHS)
     script = (
         # .git: everything but the object store goes and comes back from the record; object
         # files the rollout added go too (the image's stay, and are hashed below).
         f"find ./.git -mindepth 1 -maxdepth 1 ! -name objects {own} -exec rm -rf {{}} + ;"
         " rm -rf ./.git/objects/info;"
-        " find ./.git/objects -type f | LC_ALL=C sort | LC_ALL=C comm -23 - /tmp/.sandpool-objects"
+        f" find ./.git/objects -type f | LC_ALL=C sort | LC_ALL=C comm -23 - {tmp}/objects"
         " | xargs -d '\\n' -r rm -f --;"
         " find ./.git/objects -mindepth 1 -type d -empty -delete;"
-        " tar -xf /tmp/.sandpool-git.tar || exit 1;"
+        f" tar -xf {tmp}/git.tar || exit 1;"
     )
     if not under:
         listed = sorted(_path_of(p) for p in rec.paths)
-        await sandbox.write_file("/tmp/.sandpool-paths", "".join(f"{p}\n" for p in listed).encode())
+        await sandbox.write_file(f"{tmp}/paths", "".join(f"{p}\n" for p in listed).encode())
         script += (
             # The tree: paths the image has not go, git rewrites the tracked files from the
             # (restored) index, whose bytes are then put back.
             f" find . \\( {_OWN} \\) -prune -o -print | LC_ALL=C sort | LC_ALL=C comm -23 -"
-            " /tmp/.sandpool-paths | xargs -d '\\n' -r rm -rf --;"
-            f" cp .git/index /tmp/.sandpool-index && {SAFE_GIT} checkout-index -a -f -q"
-            " && mv /tmp/.sandpool-index .git/index || exit 1;"
+            f" {tmp}/paths | xargs -d '\\n' -r rm -rf --;"
+            f" cp .git/index {tmp}/index && {SAFE_GIT} checkout-index -a -f -q"
+            f" && mv {tmp}/index .git/index || exit 1;"
         )
-    script += f" rm -f /tmp/.sandpool-*; {_manifest('./' + under if under else '.')}"
+    script += f" rm -rf {tmp}; {_manifest('./' + under if under else '.')}"
     res = await sandbox.exec(script, timeout=timeout, max_output=1 << 28)
     if not res.ok:
         return [f"restore failed (exit {res.exit_code}): {res.err_text.strip()[:300]}"]
