@@ -188,6 +188,8 @@ async def _file_errnos(sb: Sandbox, ctx: _Ctx) -> None:
     await sb.write_file("/tmp/blob", b"file")
     for what, op, want in cases:
         got = await code_of(op)
+        if got is None and what == "write to /usr":  # it got out: leave nothing behind
+            await sb.exec("rm -f /usr/sandpool-conformance", timeout=30)
         _expect(got in want, f"{what}: errno {errno.errorcode.get(got or 0, got)}, want "
                 f"{'/'.join(errno.errorcode[c] for c in sorted(want))}")
         _expect(sb.alive(), f"{what} killed the sandbox")

@@ -435,7 +435,7 @@ async def test_preflight_fails_with_one_clear_sentence(
     cases.append(
         (
             KubernetesBackend(tmp_path / "no-kubeconfig", namespace=namespace),
-            "kubeconfig cannot be used",
+            "kubeconfig .* does not exist",
         )
     )
     for be, pattern in cases:
