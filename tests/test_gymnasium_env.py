@@ -523,6 +523,24 @@ def test_interrupted_or_unclosed_process_leaves_no_sandbox(opts: dict, how: str)
 
 # -- backends by name ------------------------------------------------------------------------
 
+@pytest.mark.parametrize("given", ["backend_options", "KUBECONFIG"])
+def test_kubernetes_backend_by_name_reports_a_missing_kubeconfig_with_its_path(
+        opts: dict, given: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kw = {k: v for k, v in opts.items() if k != "backend_options"}
+    missing = "/nonexistent/sandpool-test/kubeconfig"
+    if given == "KUBECONFIG":
+        monkeypatch.setenv("KUBECONFIG", missing)
+        env = gym.make(ENV_ID, backend="kubernetes", **kw)
+    else:
+        env = gym.make(ENV_ID, backend="kubernetes", backend_options={"kubeconfig": missing}, **kw)
+    try:
+        with pytest.raises(errors.BackendUnavailable, match=f"{missing} does not exist"):
+            env.reset(seed=0)
+        assert not _loop_threads()  # the pool that failed to open did not stay open
+    finally:
+        env.close()
+
+
 def test_unknown_backend_option_is_named_at_make(opts: dict) -> None:
     kw = {k: v for k, v in opts.items() if k != "backend_options"}
     with pytest.raises(errors.ConfigError, match="kubeconfg.*KubernetesBackend"):
