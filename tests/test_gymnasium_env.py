@@ -366,6 +366,22 @@ def test_failed_autoreset_keeps_the_other_sub_envs_results(opts: dict, task: Tas
         shared.close()
 
 
+def test_an_action_no_shell_can_run_is_the_policys_result_not_an_infra_failure(opts: dict) -> None:
+    """A NUL byte cannot reach bash: the policy sees that, the episode goes on, and nothing is
+    unscored (else a policy could turn a failing episode into an unscored one at will)."""
+    env = gym.make(ENV_ID, **opts)
+    try:
+        env.reset(seed=0)
+        obs, reward, term, trunc, info = env.step("echo a\x00b")
+        assert obs["exit_code"] == 126 and "null byte" in obs["stderr"]
+        assert (reward, term, trunc, info["infra_failed"]) == (0.0, False, False, False)
+        obs, *_ = env.step("echo still-here")
+        assert obs["stdout"] == "still-here\n"
+        assert env.unwrapped.report().failures["infra_failed"] == 0
+    finally:
+        env.close()
+
+
 def test_policy_that_kills_its_own_sandbox_is_scored_zero_not_unscored(opts: dict) -> None:
     env = gym.make(ENV_ID, **opts)
     try:

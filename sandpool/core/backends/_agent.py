@@ -212,9 +212,12 @@ def _exec(req):
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-    except OSError as exc:
-        msg = f"sandpool-agent: cannot start {argv[0]!r}: {exc.strerror}\n".encode()
-        return {"exit_code": 127, "stdout": "", "stderr": base64.b64encode(msg).decode(),
+    except (OSError, ValueError) as exc:
+        # A missing program (127), or an argument no program can receive, such as one with a
+        # NUL byte (126): the caller's command is at fault, so it gets a result, not an error.
+        code, why = (127, exc.strerror) if isinstance(exc, OSError) else (126, str(exc))
+        msg = f"sandpool-agent: cannot start {argv[0]!r}: {why}\n".encode()
+        return {"exit_code": code, "stdout": "", "stderr": base64.b64encode(msg).decode(),
                 "stdout_truncated": False, "stderr_truncated": False, "timed_out": False,
                 "duration_s": time.monotonic() - t0}
     start = _start_time(proc.pid)
