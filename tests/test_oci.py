@@ -234,3 +234,21 @@ async def test_swe_shaped_task_runs_end_to_end(oci_backend: LocalBackend, swe_ta
     assert report.reward.resolved == 2 and report.quarantines == 0
     assert report.sandboxes_created == 1 and report.resets >= 3
     json.dumps(report.model_dump(mode="json"))
+
+
+def test_images_cli_pulls_lists_removes_and_prunes(oci_images: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from sandpool.cli import app
+
+    monkeypatch.setenv("SANDPOOL_HOME", str(tmp_path))
+    cli = CliRunner()
+    res = cli.invoke(app, ["images", "pull", f"oci:{oci_images / 'layout'}:wh", "--name", "t/wh:1"])
+    assert res.exit_code == 0, res.output
+    listing = cli.invoke(app, ["images"]).output
+    assert "t/wh:1" in listing and "1 images, 2 layers" in listing
+    assert cli.invoke(app, ["images", "pull", str(tmp_path / "nope")]).exit_code == 2
+    assert cli.invoke(app, ["images", "rm", "t/wh:1"]).exit_code == 0
+    assert "pruned 1 images, 2 layers" in cli.invoke(app, ["images", "prune"]).output
+    assert not any(p.is_dir() for p in (tmp_path / "oci-v1" / "layers").iterdir())

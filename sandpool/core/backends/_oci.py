@@ -12,6 +12,9 @@ How one OCI sandbox is laid out (the local backend calls these helpers):
   as host root, writes ``0 ID_BASE ID_COUNT`` to its uid and gid maps: uid 0 inside is host
   uid ``ID_BASE``, which owns nothing outside the image's layers and the sandbox's upper. The
   layers were unpacked with the same shift, so root inside owns the image's root files.
+  Commands hold no capabilities. Nested user namespaces stay possible (bubblewrap cannot
+  combine ``--disable-userns`` with ``--userns-block-fd``); any they create maps into the same
+  unprivileged range, so they grant nothing on the host.
 * The agent is the one ``_agent.py`` every local sandbox runs, executed by the *host's*
   Python, mounted read-only and started through the host's dynamic loader with an explicit
   library path (``ld.so --library-path ... python -I agent.py``). The agent therefore needs
