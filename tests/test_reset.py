@@ -216,12 +216,20 @@ async def test_restore_git_metadata_raises_when_git_cannot_be_restored(local_bac
 
 
 async def test_repo_removed_by_the_policy_is_restored_in_place(test_images_root, calc_task, calc_repo):
+    # The first rollout only edits a file (its reset pins the refreshed index), the second
+    # removes .git and the whole tree, the third finds the image's repo again.
+    rollouts = ["echo x >> calc.py",
+                "rm -rf .git && git init -q && ln -s /etc/passwd calc.py.new"
+                " && rm -rf * .gitignore && mkdir calc.py"]
     async with SandboxPool(LocalBackend(test_images_root), "reuse", PoolLimits(max_live=1)) as pool:
+        for cmd in rollouts:
+            async with pool.claim(calc_task) as lease:
+                assert (await lease.exec(cmd)).ok
+                first = lease.id
         async with pool.claim(calc_task) as lease:
-            await lease.exec("rm -rf .git && git init -q && ln -s /etc/passwd calc.py.new"
-                             " && rm -rf * .gitignore && mkdir calc.py")
-            first = lease.id
-        async with pool.claim(calc_task) as lease:
-            assert lease.id == first and pool.counters.quarantines == 0
+            assert lease.id == first and pool.counters.quarantines == 0 and pool.counters.resets == 2
             assert await _sandbox_manifest(lease) == _manifest(calc_repo)
             assert (await lease.exec("git rev-parse HEAD")).text.strip() == calc_task.base_commit
+            res = await lease.exec(["git", "ls-files", "-s", "-v"])
+            assert res.text == _host_git(calc_repo, "ls-files", "-s", "-v")
+            assert (await lease.exec("git status --porcelain --ignored")).text == ""

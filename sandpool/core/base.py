@@ -195,6 +195,19 @@ class Sandbox(abc.ABC):
         """
         return None
 
+    async def pin_repo_state(self, paths: list[str]) -> None:
+        """Take the current state of repo files ``paths`` as pristine for later restores.
+
+        Optional (default: nothing is pinned). The reset calls it for ``.git/index`` right
+        after sandpool's own ``git update-index --refresh`` on a verified tree, with no
+        process of any rollout alive: the file then differs from the image's only in git's
+        stat cache, and restoring the pinned bytes keeps that cache valid, so the next
+        refresh re-reads only the files a rollout changed (O(paths changed), not O(repo)).
+
+        Args:
+            paths: Repo-relative file paths.
+        """
+
     async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
         """What the rollout changed outside the repo and ``/tmp``, seen from outside the sandbox.
 

@@ -547,13 +547,10 @@ class SandboxPool:
             async with self._limiter:
                 sandbox = await asyncio.wait_for(self.backend.create(name), self.limits.create_timeout)
             try:
-                # What the in-place reset and grading restore to, recorded while it is fresh.
-                await record_pristine(sandbox, timeout=self.limits.create_timeout)
-                if warm_up:
-                    # Warming includes git's index: a fresh copy of the repo has stat data from
-                    # elsewhere, and the first git command would re-read every file on the
-                    # claim path.
-                    await sandbox.exec("git update-index -q --refresh", timeout=self.limits.create_timeout)
+                # What the in-place reset and grading restore to, recorded while it is fresh;
+                # warming includes git's index (off the claim path).
+                await record_pristine(sandbox, refresh_index=warm_up,
+                                      timeout=self.limits.create_timeout)
             except BaseException:
                 await self._delete(sandbox)
                 raise

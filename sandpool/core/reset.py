@@ -30,7 +30,9 @@ How "identical" is established depends on what the backend can see from outside 
 
 After the check passes, sandpool's own git commands (hooks off, the now-pristine config) check
 out the commit the next claim asks for and refresh git's index (its stat cache), the same steps
-a fresh sandbox's claim takes.
+a fresh sandbox's claim takes. Where the backend supports it, that refreshed index is pinned
+as the pristine one (:meth:`Sandbox.pin_repo_state`): identical to the image's but for the
+stat cache, it keeps the next refresh O(paths changed) instead of re-reading every file.
 """
 
 from __future__ import annotations
@@ -121,7 +123,9 @@ async def restore_git_metadata(sandbox: Sandbox, *, timeout: float = 60.0) -> No
     <test files>`` and ``git apply``). When it returns:
 
     * every process the rollout left is killed (none can re-plant anything afterwards);
-    * ``.git`` is byte-identical to the image's (verified, see the module docstring): its
+    * ``.git`` is byte-identical to the image's (verified, see the module docstring; the
+      index's stat cache may be sandpool's own refresh of it, see
+      :meth:`Sandbox.pin_repo_state`): its
       config (no ``filter.*``, ``core.hooksPath``, ``include``, ``core.worktree``...), hooks,
       ``info/`` (attributes, exclude, sparse-checkout, grafts), ``objects/info/alternates``,
       ``shallow``, HEAD, refs (``refs/replace`` too), packed-refs, reflogs, stash, index
@@ -199,6 +203,8 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
         problems.append(f"processes left: {procs[:5]}")
     if problems:
         return ResetOutcome(False, tuple(problems), killed)
+    if commit == sandbox.head:  # the tree is the image's: its refreshed index is the pristine one
+        await sandbox.pin_repo_state([".git/index"])
     return ResetOutcome(True, (), killed, head)
 
 
@@ -248,13 +254,23 @@ def _under(lines: tuple[str, ...], under: str) -> list[str]:
     return [ln for ln in lines if (p := _path_of(ln)) == prefix or p.startswith(prefix + "/")]
 
 
-async def record_pristine(sandbox: Sandbox, *, timeout: float = 120.0) -> None:
-    """Record a fresh sandbox's repo for the generic reset path.
+async def record_pristine(sandbox: Sandbox, *, refresh_index: bool = False,
+                          timeout: float = 120.0) -> None:
+    """Record a fresh sandbox's repo for the reset, and optionally warm git's index.
 
-    A no-op where the backend implements :meth:`Sandbox.restore_repo`. Call it before any
-    rollout touches the sandbox; the pool does, for every sandbox it creates. The record (a
-    manifest of every path and a copy of ``.git`` without its object files) stays in this
-    process, out of the policy's reach, for as long as the sandbox object lives.
+    Call it before any rollout touches the sandbox; the pool does, for every sandbox it
+    creates. Where the backend implements :meth:`Sandbox.restore_repo` nothing needs
+    recording; otherwise (the generic path) the record (a manifest of every path and a copy
+    of ``.git`` without its object files) stays in this process, out of the policy's reach,
+    for as long as the sandbox object lives.
+
+    Args:
+        sandbox: A fresh sandbox.
+        refresh_index: Then refresh git's stat cache (``git update-index --refresh``, with
+            :data:`SAFE_GIT`): a fresh repo's index has stat data from elsewhere, and the
+            first git command would re-read every file, on the claim path. The refreshed
+            index is pinned (:meth:`Sandbox.pin_repo_state`) as the pristine one.
+        timeout: Seconds for each command.
 
     Raises:
         ResetError: The repo could not be read.
@@ -262,8 +278,14 @@ async def record_pristine(sandbox: Sandbox, *, timeout: float = 120.0) -> None:
     """
     # restore_repo answers None where the backend cannot see changes from outside (a pod, an
     # OCI sandbox whose repo may span image layers); on a fresh sandbox it is a cheap no-op.
-    if await sandbox.restore_repo("", timeout=timeout) is not None:
-        return
+    if await sandbox.restore_repo("", timeout=timeout) is None:
+        await _record(sandbox, timeout)
+    if refresh_index:
+        await sandbox.exec(f"{SAFE_GIT} update-index -q --refresh", timeout=timeout)
+        await sandbox.pin_repo_state([".git/index"])
+
+
+async def _record(sandbox: Sandbox, timeout: float) -> None:
     res = await sandbox.exec(
         f"{_manifest('.')}; echo {_SEP}; find .git/objects -type f ! -path '.git/objects/info/*'"
         " > /tmp/.sandpool-objects && tar -cf - --exclude-from=/tmp/.sandpool-objects"

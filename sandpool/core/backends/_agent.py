@@ -13,11 +13,13 @@ Ops:
     write_file  {path, data(b64), mode} -> {} | {error: "os_error", errno, strerror}
     ps          {} -> {procs: [cmdline, ...]} (everything but the agent and pid 1)
     kill_strays {} -> {killed: n}
-    restore     {root, image, changes: [[path, "replace"|"meta"], ...]} -> {failed: [msg, ...]}
+    restore     {root, image, changes: [[path, "replace"|"meta"], ...],
+                 pinned: {path: {data(b64), mode, mtime_ns}}} -> {failed: [msg, ...]}
                 make each repo-relative path under ``root`` what it is under ``image`` (the
                 image's repo, bind-mounted read-only): ``replace`` removes the path and copies
                 the image's (type, bytes or target, mode, mtime, user xattrs); ``meta`` sets a
-                directory's own mode, mtime and xattrs. The host computed the list from the
+                directory's own mode, mtime and xattrs; a ``pinned`` path is written from the
+                bytes given instead of the image's. The host computed the list from the
                 overlay's upper layer and verifies the result; this op only does the work.
 """
 
@@ -398,13 +400,21 @@ def _copy(src, dst):
 
 
 def _restore(req):
-    root, image = req["root"], req["image"]
+    root, image, pinned = req["root"], req["image"], req.get("pinned") or {}
     failed, dirs = [], set()
     for rel, kind in req["changes"]:
         dst = os.path.join(root, rel) if rel else root
         src = os.path.join(image, rel) if rel else image
         try:
-            if kind == "replace":
+            if kind == "replace" and rel in pinned:
+                _remove(dst)
+                pin = pinned[rel]
+                fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(base64.b64decode(pin["data"]))
+                os.chmod(dst, pin["mode"])
+                os.utime(dst, ns=(pin["mtime_ns"], pin["mtime_ns"]), follow_symlinks=False)
+            elif kind == "replace":
                 _remove(dst)
                 if os.path.lexists(src):
                     _copy(src, dst)

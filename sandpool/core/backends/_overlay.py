@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,13 +139,17 @@ def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True) -> bool:
     return all(tree_equal(os.path.join(a, n), os.path.join(b, n)) for n in sorted(names_a))
 
 
-def diff(lower: Path | str, upper: Path | str, under: str = "") -> list[Change]:
+def diff(lower: Path | str, upper: Path | str, under: str = "",
+         pinned: Mapping[str, str] | None = None) -> list[Change]:
     """List what differs between the merged view of ``lower`` + ``upper`` and ``lower``.
 
     Args:
         lower: The image's repo directory (the overlay's lower layer), on the host.
         upper: The sandbox's upper layer directory, on the host.
         under: Only report paths at or below this repo-relative path (``""``: the whole repo).
+        pinned: Repo-relative file paths whose reference is not the lower layer's file but
+            this host file (git's index after sandpool refreshed its stat cache on a verified
+            tree); a pinned path must lie below a directory the upper layer does not replace.
 
     Returns:
         The changes, sorted by path: ``replace`` for a path added, removed, or different;
@@ -153,13 +158,13 @@ def diff(lower: Path | str, upper: Path | str, under: str = "") -> list[Change]:
     lower, upper = str(lower), str(upper)
     out: list[Change] = []
     rel = under.strip("/")
-    _entry(lower, upper, rel, out)
+    _entry(lower, upper, rel, out, dict(pinned or {}))
     return sorted(out)
 
 
-def _entry(lower: str, upper: str, rel: str, out: list[Change]) -> None:
+def _entry(lower: str, upper: str, rel: str, out: list[Change], pinned: dict[str, str]) -> None:
     u = os.path.join(upper, rel) if rel else upper
-    lo = os.path.join(lower, rel) if rel else lower
+    lo = pinned.get(rel) or (os.path.join(lower, rel) if rel else lower)
     ust = _lstat(u)
     if ust is None:
         return  # untouched: the merged view shows the lower entry as it is
@@ -184,4 +189,7 @@ def _entry(lower: str, upper: str, rel: str, out: list[Change]) -> None:
     with os.scandir(u) as it:
         names = sorted(e.name for e in it)
     for name in names:
-        _entry(lower, upper, f"{rel}/{name}" if rel else name, out)
+        _entry(lower, upper, f"{rel}/{name}" if rel else name, out, pinned)
+    for p in pinned:  # a pinned file absent from the upper layer shows the lower's: not pinned
+        if os.path.dirname(p) == rel and os.path.basename(p) not in names:
+            out.append(Change(p, "replace"))

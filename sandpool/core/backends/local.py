@@ -114,6 +114,7 @@ class LocalSandbox(Sandbox):
         #: agent sees it read-only; for OCI images set by the backend (a read-only view).
         self._lower: str | None = None if isinstance(image, OciImage) else image.repo
         self._image_in_sandbox = _IMAGE_IN_SANDBOX
+        self._pins: dict[str, Path] = {}  # repo path -> host copy of its pinned pristine bytes
         self.workdir = image.repo_dir if isinstance(image, OciImage) else image.workdir
         self.head = image.head
         self.state_dir = state_dir
@@ -308,16 +309,64 @@ class LocalSandbox(Sandbox):
         """
         if self._lower is None or self.upper is None:
             return None  # no read-only view of the image's repo: the generic path instead
-        # An OCI sandbox's overlay is its whole root: the repo is one subtree of its upper.
-        upper = self.upper / self.workdir.lstrip("/") if self.oci is not None else self.upper
-        changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under)
+        upper = self._repo_upper()
+        prefix = under.strip("/")
+        pins = {r: str(p) for r, p in self._pins.items()
+                if not prefix or r == prefix or r.startswith(prefix + "/")}
+        changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins)
+        # A pin holds only below a directory the rollout left in place; where it replaced one
+        # (``rm -rf .git``), the image's own file is the reference again until re-pinned.
+        dropped = {r for r in pins for c in changes
+                   if c.kind == "replace" and r.startswith(f"{c.path}/" if c.path else "")}
+        if dropped:
+            for r in dropped:
+                pins.pop(r)
+                self._pins.pop(r, None)
+            changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins)
         if not changes:
             return []
+        pinned = {}
+        for c in changes:
+            if c.path in pins:
+                st = os.stat(pins[c.path])
+                pinned[c.path] = {"data": base64.b64encode(Path(pins[c.path]).read_bytes()).decode(),
+                                  "mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
         msg = await self._call("restore", timeout, root=self.workdir, image=self._image_in_sandbox,
-                               changes=[[c.path, c.kind] for c in changes])
-        left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under)
+                               changes=[[c.path, c.kind] for c in changes], pinned=pinned)
+        left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins)
         return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
             f"restore failed: {m}" for m in msg.get("failed", [])][:20]
+
+    def _repo_upper(self) -> Path:
+        assert self.upper is not None
+        # An OCI sandbox's overlay is its whole root: the repo is one subtree of its upper.
+        return self.upper / self.workdir.lstrip("/") if self.oci is not None else self.upper
+
+    async def pin_repo_state(self, paths: list[str]) -> None:
+        """Take the current bytes of repo files ``paths`` as their pristine state; see
+        :meth:`Sandbox.pin_repo_state`. A copy goes to the sandbox's host-side state
+        directory, out of the policy's reach; a path that is not a plain file is unpinned."""
+        if self._lower is None or self.upper is None:
+            return
+        upper = self._repo_upper()
+        pin_dir = self.state_dir / "pinned"
+        pin_dir.mkdir(exist_ok=True)
+        for rel in paths:
+            dst = pin_dir / rel.replace("/", "%")
+            try:
+                fd = os.open(upper / rel, os.O_RDONLY | os.O_NOFOLLOW)
+            except OSError:
+                self._pins.pop(rel, None)
+                continue
+            with os.fdopen(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    self._pins.pop(rel, None)
+                    continue
+                dst.write_bytes(f.read())
+            os.chmod(dst, stat.S_IMODE(st.st_mode))
+            os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+            self._pins[rel] = dst
 
 
 class LocalBackend(Backend):
