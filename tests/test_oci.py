@@ -252,3 +252,30 @@ def test_images_cli_pulls_lists_removes_and_prunes(oci_images: Path, tmp_path: P
     assert cli.invoke(app, ["images", "rm", "t/wh:1"]).exit_code == 0
     assert "pruned 1 images, 2 layers" in cli.invoke(app, ["images", "prune"]).output
     assert not any(p.is_dir() for p in (tmp_path / "oci-v1" / "layers").iterdir())
+
+
+def test_a_killed_runners_oci_sandboxes_are_reaped(oci_store: ImageStore, tmp_path: Path) -> None:
+    from sandpool.core.backends.local import reap_stale
+
+    code = (
+        "import asyncio\n"
+        "from sandpool.core.backends.local import LocalBackend\n"
+        "from sandpool.core.images import ImageStore\n"
+        "async def main():\n"
+        f"    b = LocalBackend(state_root={str(tmp_path / 'state')!r}, store=ImageStore({str(oci_store.root)!r}))\n"
+        f"    await b.create({SWE_IMAGE!r})\n"
+        "    print(b.run_id, flush=True)\n"
+        "    await asyncio.Event().wait()  # the runner idles until it is killed\n"
+        "asyncio.run(main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        run_id = proc.stdout.readline().strip()  # the marker: a sandbox is up
+        pub = Path("/run/sandpool") / run_id
+        assert run_id and any(p.name.startswith("sb-") for p in pub.iterdir())
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+    assert run_id in reap_stale(tmp_path / "state")
+    assert not pub.exists()
+    assert run_id not in Path("/proc/self/mountinfo").read_text()
