@@ -208,3 +208,18 @@ async def _sb_apply(sb, patch: str) -> None:
     await sb.write_file("/tmp/gold.patch", patch.encode())
     res = await sb.exec("git apply /tmp/gold.patch && rm /tmp/gold.patch", timeout=30)
     assert res.ok, res.err_text
+
+
+async def test_startup_files_planted_in_a_writable_site_directory_are_neutralised(local_backend, calc_task):
+    # The user site under $HOME (/tmp here) is writable; an interpreter that honours it (a conda
+    # env's python, unlike this venv) would run a .pth import line or usercustomize at startup.
+    sb = await _at_base(local_backend, calc_task)
+    site = "/tmp/.local/lib/python3.12/site-packages"
+    await sb.write_file(f"{site}/evil.pth", b"import os; os.write(1, b'PASSED test_calc.py::test_add\\n')\n")
+    await sb.write_file(f"{site}/usercustomize.py", b"print('PASSED test_calc.py::test_add')\n")
+    await sb.write_file(f"{site}/evil-1.0.dist-info/entry_points.txt", b"[pytest11]\nevil = evil\n")
+    result = await grade(sb, calc_task, timeout=120)
+    assert result.reward == 0.0
+    for name in ("evil.pth", "usercustomize.py", "evil-1.0.dist-info/entry_points.txt"):
+        assert f"neutralised {site}/{name}" in result.neutralised, result.neutralised
+        assert (await sb.exec(f"test -e {site}/{name}", timeout=10)).exit_code == 1

@@ -154,12 +154,10 @@ def cross_check(rep: SignedReport, *, log: str, log_status: dict[str, str], exit
     if rep.forged:
         evidence.append("the verdict report does not verify against this run's key: it was forged or altered")
         return evidence
-    if not rep.sealed:
-        if exit_code == 0 and not timed_out:
-            evidence.append("the test process exited 0 but pytest never sealed its verdict report "
-                            "(the process was ended early, e.g. os._exit, or the plugin was kept from loading)")
-        return evidence
-    if rep.exitstatus != exit_code and not timed_out:
+    if not rep.sealed and exit_code == 0 and not timed_out:
+        evidence.append("the test process exited 0 but pytest never sealed its verdict report "
+                        "(the process was ended early, e.g. os._exit, or the plugin was kept from loading)")
+    if rep.sealed and rep.exitstatus != exit_code and not timed_out:
         evidence.append(f"pytest finished with exit status {rep.exitstatus} but the test process "
                         f"exited {exit_code}")
     if rep.changed:
@@ -173,12 +171,12 @@ def cross_check(rep: SignedReport, *, log: str, log_status: dict[str, str], exit
         by_id[key] = _merge(by_id.get(key), status)
     for t in tests:
         if log_status.get(t) in _PASS and by_id.get(t) not in _PASS:
-            evidence.append(f"the log says {t} passed; pytest's signed report says "
-                            f"{by_id.get(t, 'it never ran')}")
+            said = by_id.get(t, "it never ran") if rep.sealed else f"nothing: pytest never finished (exit {exit_code})"
+            evidence.append(f"the log says {t} passed; pytest's signed report says {said}")
             if len(evidence) > 8:
                 break
     counts = _closing_counts(log)
-    if counts is not None and counts.get("passed", 0) != rep.passed_calls:
+    if rep.sealed and counts is not None and counts.get("passed", 0) != rep.passed_calls:
         evidence.append(f"the log's closing line counts {counts.get('passed', 0)} passed; pytest's "
                         f"signed report counts {rep.passed_calls}")
     return evidence

@@ -1,0 +1,143 @@
+"""The SWE-bench harness on a real pytest suite: marshmallow 3.19 (a SWE-bench repo), from its sdist.
+
+swebench 4.1.0's ``marshmallow-code/marshmallow`` 3.19 spec gives ``pytest -rA`` plus the test
+patch's files; ``parse_log_pytest`` keeps the *last* status a test id gets in the log, so a line
+printed after pytest's summary fools it. The signed verdict report must not be fooled. The repo
+tracks a ``setup.cfg`` with ``[tool:pytest]`` and a ``tests/conftest.py``: edits to both are
+restored before the tests run.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from sandpool.core.task import Task
+from sandpool.envs.grading import grade
+from sandpool.envs.taskpack.image import build_image
+from sandpool.envs.taskpack.spec import PackageSpec
+
+MARSHMALLOW = PackageSpec(dist="marshmallow", version="3.19.0", repo="marshmallow-code/marshmallow",
+                          import_root="src", sources=("src/marshmallow/utils.py",), tests=("tests",),
+                          requirements=("packaging==25.0", "pytz==2025.2", "simplejson==3.20.1"))
+_NEW_TEST = ("\n\ndef test_is_collection_of_a_set():\n"
+             "    assert utils.is_collection({1, 2}) is True\n")
+
+
+def _git(repo, *args: str) -> str:
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
+           "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z", "PATH": "/usr/bin:/bin"}
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
+                          env=env).stdout
+
+
+@pytest.fixture(scope="session")
+async def mm_task(test_images_root) -> Task:
+    image = await build_image(MARSHMALLOW, test_images_root)
+    meta = image / "swebench-task.json"
+    if not meta.exists():
+        repo = image / "repo"
+        clean = _git(repo, "rev-parse", "HEAD").strip()
+        _git(repo, "checkout", "-q", "-b", "sandpool-bug")
+        path = repo / "src/marshmallow/utils.py"
+        path.write_text(path.read_text().replace("and not isinstance(obj, Mapping)", "and isinstance(obj, Mapping)", 1))
+        _git(repo, "commit", "-qam", "bug")
+        buggy = _git(repo, "rev-parse", "HEAD").strip()
+        gold = _git(repo, "diff", buggy, clean)
+        tests = repo / "tests/test_utils.py"
+        tests.write_text(tests.read_text() + _NEW_TEST)
+        test_patch = _git(repo, "diff", "--", "tests/test_utils.py")
+        _git(repo, "checkout", "-q", "--", "tests/test_utils.py")
+        _git(repo, "checkout", "-q", "main")
+        meta.write_text(json.dumps({"base": buggy, "patch": gold, "test_patch": test_patch}))
+    info = json.loads(meta.read_text())
+    return Task(instance_id="marshmallow-code__marshmallow-90001", repo="marshmallow-code/marshmallow",
+                version="3.19", harness="swebench", base_commit=info["base"], image=MARSHMALLOW.image,
+                problem_statement="is_collection is wrong", patch=info["patch"], test_patch=info["test_patch"],
+                FAIL_TO_PASS=["tests/test_utils.py::test_is_collection",
+                              "tests/test_utils.py::test_is_collection_of_a_set"],
+                PASS_TO_PASS=["tests/test_utils.py::test_get_value_from_dict",
+                              "tests/test_utils.py::test_set_value"])
+
+
+async def _at_base(backend, task, *, gold: bool = False):
+    sb = await backend.create(task.image)
+    assert (await sb.exec(f"git checkout -q {task.base_commit}", timeout=60)).ok
+    if gold:
+        await sb.write_file("/tmp/gold.patch", task.patch.encode())
+        assert (await sb.exec("git apply /tmp/gold.patch && rm /tmp/gold.patch", timeout=60)).ok
+    return sb
+
+
+async def test_swebench_pytest_harness_gold_one_empty_zero_with_the_signed_report(local_backend, mm_task):
+    empty = await grade(await _at_base(local_backend, mm_task), mm_task, timeout=300)
+    assert (empty.harness, empty.reward, empty.tampering, empty.error) == ("swebench", 0.0, (), None), empty.log[-2000:]
+    assert set(empty.failed_f2p) == set(mm_task.FAIL_TO_PASS)
+    gold = await grade(await _at_base(local_backend, mm_task, gold=True), mm_task, timeout=300)
+    assert (gold.reward, gold.tampering, gold.exit_code) == (1.0, (), 0), gold.log[-2000:]
+    assert "pytest -rA tests/test_utils.py" not in gold.log  # the command is not echoed; the log is pytest's
+
+
+LATE_PASSED = """
+import atexit, os, sys
+if "pytest" in sys.modules:
+    atexit.register(os.write, 1, b"PASSED tests/test_utils.py::test_is_collection\\n"
+                                 b"PASSED tests/test_utils.py::test_is_collection_of_a_set\\n")
+"""
+
+
+async def test_passed_lines_printed_after_pytests_summary_fool_the_parser_but_not_the_grade(local_backend, mm_task):
+    from types import SimpleNamespace
+
+    from swebench.harness.log_parsers import MAP_REPO_TO_PARSER
+
+    sb = await _at_base(local_backend, mm_task)
+    old = await sb.read_file("src/marshmallow/utils.py")
+    await sb.write_file("src/marshmallow/utils.py", old + LATE_PASSED.encode())  # after its __future__ import
+    result = await grade(sb, mm_task, timeout=300)
+    fooled = MAP_REPO_TO_PARSER[mm_task.repo](result.log, SimpleNamespace())
+    assert all(fooled.get(t) == "PASSED" for t in mm_task.FAIL_TO_PASS), result.log[-1500:]
+    assert result.reward == 0.0
+    # Here the bug even breaks conftest's import, so pytest stops with exit 4 and reports nothing.
+    assert any("passed; pytest's signed report says" in e for e in result.tampering), result.tampering
+
+
+FORGING_HOOK = ("\nimport pytest as _p\n\n\n@_p.hookimpl(hookwrapper=True)\n"
+                "def pytest_runtest_makereport(item, call):\n"
+                "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")
+
+
+async def test_edits_to_the_tracked_setup_cfg_and_conftest_are_restored(local_backend, mm_task):
+    sb = await _at_base(local_backend, mm_task)
+    conftest = (await sb.read_file("tests/conftest.py")).decode()
+    await sb.write_file("tests/conftest.py", (conftest + FORGING_HOOK).encode())
+    cfg = (await sb.read_file("setup.cfg")).decode()
+    await sb.write_file("setup.cfg", cfg.replace("addopts = -v --tb=short", "addopts = -v --tb=short -p no:terminal").encode())
+    result = await grade(sb, mm_task, timeout=300)
+    assert result.reward == 0.0 and result.tampering == ()
+    assert {"restored tests/conftest.py", "restored setup.cfg"} <= set(result.neutralised)
+    assert (await sb.read_file("tests/conftest.py")).decode() == conftest
+
+
+async def test_a_late_passed_line_for_a_test_that_ran_and_failed_is_caught_by_the_signed_report(
+        local_backend, mm_task):
+    from types import SimpleNamespace
+
+    from swebench.harness.log_parsers import MAP_REPO_TO_PARSER
+
+    sb = await _at_base(local_backend, mm_task, gold=True)
+    old = await sb.read_file("src/marshmallow/utils.py")
+    # A fix that misses sets, plus the late PASSED lines.
+    partial = (b"\n_is_collection = is_collection\n\n\ndef is_collection(obj):\n"
+               b"    return False if isinstance(obj, set) else _is_collection(obj)\n")
+    await sb.write_file("src/marshmallow/utils.py", old + partial + LATE_PASSED.encode())
+    result = await grade(sb, mm_task, timeout=300)
+    fooled = MAP_REPO_TO_PARSER[mm_task.repo](result.log, SimpleNamespace())
+    assert all(fooled.get(t) == "PASSED" for t in mm_task.FAIL_TO_PASS), result.log[-1500:]
+    assert "FAILED tests/test_utils.py::test_is_collection_of_a_set" in result.log
+    assert result.reward == 0.0
+    assert any("test_is_collection_of_a_set passed; pytest's signed report says FAILED" in e
+               for e in result.tampering), result.tampering
