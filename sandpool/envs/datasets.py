@@ -58,7 +58,16 @@ def read_rows(source: str | Path, *, split: str | None = None) -> Iterator[tuple
     path = Path(source)
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        for i, text in enumerate(path.read_text().splitlines(), start=1):
+        # Lines end at b"\n" only (JSON Lines): str.splitlines() would also split at \x1c,
+        # \x85 or U+2028 inside a row. A line that is not UTF-8 rejects that row alone.
+        for i, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield i, TaskValidationError(
+                    f"row {i}: not valid UTF-8 (byte {raw[exc.start]:#04x} at column {exc.start + 1}); "
+                    "save the file as UTF-8", row=i)
+                continue
             if not text.strip():
                 continue
             try:
@@ -106,6 +115,10 @@ def _hub_rows(name: str, split: str | None) -> Iterator[tuple[int, object]]:
         yield i, row
 
 
+_TEXT_COLUMNS = ("instance_id", "image", "image_name", "docker_image", "repo", "repo_name",
+                 "base_commit", "commit_hash", "patch", "test_patch", "problem_statement")
+
+
 def detect_format(row: dict) -> str:
     """Return which published format ``row`` is in (one of :data:`FORMATS`)."""
     if "parsed_commit_content" in row or ("repo_name" in row and "docker_image" in row):
@@ -130,6 +143,11 @@ def row_to_task_fields(row: dict, *, line: int | None = None,
     fmt = detect_format(row)
     data = dict(row)
     where = f"row {line}" if line is not None else "task row"
+    for name in _TEXT_COLUMNS:  # read as text below: a number or a list here is the row's error
+        if data.get(name) is not None and not isinstance(data[name], str):
+            raise TaskValidationError(
+                f"{where} ({data.get('instance_id', '?')!s:.60}): field {name!r} must be a string, "
+                f"got {type(data[name]).__name__}", row=line, field=name)
     if fmt == "swebench":
         data.setdefault("harness", "swebench")
         if not data.get("image") and data.get("instance_id"):

@@ -214,11 +214,15 @@ def _exec(req):
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, TypeError) as exc:
         # A missing program (127), or an argument no program can receive, such as one with a
         # NUL byte (126): the caller's command is at fault, so it gets a result, not an error.
         code, why = (127, exc.strerror) if isinstance(exc, OSError) else (126, str(exc))
-        msg = f"sandpool-agent: cannot start {argv[0]!r}: {why}\n".encode()
+        if isinstance(exc, ValueError) and "null" in why:
+            why = "an argument, cwd or environment entry contains a NUL byte"
+        name = argv[0] if argv else ""
+        msg = f"sandpool-agent: cannot start {name!r}: {why}
+".encode("utf-8", "surrogateescape")
         return {"exit_code": code, "stdout": "", "stderr": base64.b64encode(msg).decode(),
                 "stdout_truncated": False, "stderr_truncated": False, "timed_out": False,
                 "duration_s": time.monotonic() - t0}
@@ -271,6 +275,8 @@ def _read_file(req):
             return {"data": base64.b64encode(f.read()).decode()}
     except OSError as exc:
         return _os_error(exc)
+    except ValueError:  # a NUL byte in the path: no file can have that name
+        return _os_error(OSError(22, "Invalid argument: the path contains a NUL byte"))
 
 
 def _write_file(req):
@@ -285,6 +291,8 @@ def _write_file(req):
         os.chmod(path, int(req.get("mode") or 0o644))
     except OSError as exc:
         return _os_error(exc)
+    except ValueError:  # a NUL byte in the path
+        return _os_error(OSError(22, "Invalid argument: the path contains a NUL byte"))
     return {}
 
 
