@@ -221,8 +221,7 @@ def _exec(req):
         if isinstance(exc, ValueError) and "null" in why:
             why = "an argument, cwd or environment entry contains a NUL byte"
         name = argv[0] if argv else ""
-        msg = f"sandpool-agent: cannot start {name!r}: {why}
-".encode("utf-8", "surrogateescape")
+        msg = f"sandpool-agent: cannot start {name!r}: {why}\n".encode("utf-8", "surrogateescape")
         return {"exit_code": code, "stdout": "", "stderr": base64.b64encode(msg).decode(),
                 "stdout_truncated": False, "stderr_truncated": False, "timed_out": False,
                 "duration_s": time.monotonic() - t0}
