@@ -382,11 +382,14 @@ def test_an_action_no_shell_can_run_is_the_policys_result_not_an_infra_failure(o
         env.close()
 
 
-def test_policy_that_kills_its_own_sandbox_is_scored_zero_not_unscored(opts: dict) -> None:
-    env = gym.make(ENV_ID, **opts)
+@pytest.mark.parametrize("action", ["kill -9 -1", "kill -STOP -1"])
+def test_policy_that_kills_its_own_sandbox_is_scored_zero_not_unscored(opts: dict, action: str) -> None:
+    """Killing or stopping every process of the sandbox, its agent included, is the policy's
+    failure: scored 0, never an infra failure it could use to have the episode not count."""
+    env = gym.make(ENV_ID, **{**opts, "step_timeout": 2.0})
     try:
         env.reset(seed=0)
-        _, reward, term, trunc, info = env.step("kill -9 -1")  # every process, the agent too
+        _, reward, term, trunc, info = env.step(action)
         assert (reward, term, trunc) == (0.0, True, False)
         assert info["task_failed"] and not info["infra_failed"]
         assert info["error_kind"] == "sandbox_exhausted"
