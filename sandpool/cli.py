@@ -146,6 +146,12 @@ def validate(
         path = _default_tasks() if tasks == "default" else Path(tasks)
         broken = _validate(path, out / "validated.jsonl", out / "validation.json", concurrency=concurrency,
                            grade_timeout=grade_timeout)
+        if tasks == "default":  # also the cache `sandpool run` reads for the default pack
+            from sandpool.envs.validate import VALIDATION_VERSION
+
+            for name, cached in (("validated.jsonl", f"validated.v{VALIDATION_VERSION}.jsonl"),
+                                 ("validation.json", f"validation.v{VALIDATION_VERSION}.json")):
+                (path.parent / cached).write_bytes((out / name).read_bytes())
     except (errors.InputError, errors.FatalError, FileNotFoundError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None

@@ -1,4 +1,4 @@
-"""The SWE-bench harness on real suites that are not pytest: Django's ``tests/runtests.py``.
+"""The SWE-bench harness on real suites that are not pytest: Django's ``tests/runtests.py``, sympy's runner.
 
 The image is Django's own PyPI sdist (which ships ``tests/runtests.py`` and the suite), built by
 the task pack's image builder into the test images root once per machine; the task is a
@@ -146,3 +146,63 @@ def test_swebench_sympy_parser_on_a_real_bin_test_log_matches_its_closing_counts
     assert sum(s == "PASSED" for s in status.values()) == 43 and "test_signed_permutations" not in status
     assert runner_check(log, 1, resolved_by_log=False) == []
     assert runner_check(log, 0, resolved_by_log=False), "3 failed with exit 0 must be flagged"
+
+
+# -- sympy's runner under the SWE-bench harness -------------------------------------------------
+
+SYMPY = PackageSpec(dist="sympy", version="1.13.3", repo="sympy/sympy", sources=("sympy/utilities/iterables.py",),
+                    tests=("sympy/utilities/tests",), requirements=("mpmath==1.3.0",))
+# The sdist does not ship sympy's bin/test; this stand-in calls the runner bin/test calls
+# (sympy.testing.runtests.test) with what `-C --verbose` asks for.
+_BIN_TEST = ('#!/usr/bin/env python\n"""Stand-in for sympy\'s bin/test: the same runner."""\nimport sys\n\n'
+             "from sympy.testing.runtests import test\n\n"
+             "paths = [a for a in sys.argv[1:] if not a.startswith('-')]\n"
+             "sys.exit(not test(*paths, verbose='--verbose' in sys.argv, colors='-C' not in sys.argv))\n")
+# Not appended last: bin/test's last line of a file ends in "[OK]", which swebench's sympy
+# parser does not read (the harness's own F2P lists never hold such a test).
+_SYMPY_TEST = ("def test_rotate_left_by_two():\n"
+               "    assert rotate_left([0, 1, 2, 3], 2) == [2, 3, 0, 1]\n\n\n")
+
+
+@pytest.fixture(scope="session")
+async def sympy_task(test_images_root) -> Task:
+    image = await build_image(SYMPY, test_images_root)
+    meta = image / "swebench-task.json"
+    if not meta.exists():
+        repo = image / "repo"
+        _git(repo, "checkout", "-q", "-b", "sandpool-bug")
+        (repo / "bin").mkdir(exist_ok=True)
+        (repo / "bin/test").write_text(_BIN_TEST)
+        (repo / "bin/test").chmod(0o755)
+        _git(repo, "add", "bin/test")
+        _git(repo, "commit", "-qm", "bin/test stand-in")
+        clean = _git(repo, "rev-parse", "HEAD").strip()
+        path = repo / "sympy/utilities/iterables.py"
+        path.write_text(path.read_text().replace("    return x[y:] + x[:y]", "    return x[:y] + x[y:]", 1))
+        _git(repo, "commit", "-qam", "bug")
+        buggy = _git(repo, "rev-parse", "HEAD").strip()
+        gold = _git(repo, "diff", buggy, clean)
+        tests = repo / "sympy/utilities/tests/test_iterables.py"
+        tests.write_text(tests.read_text().replace("def test_rotations():", _SYMPY_TEST + "def test_rotations():", 1))
+        test_patch = _git(repo, "diff", "--", "sympy/utilities/tests/test_iterables.py")
+        _git(repo, "checkout", "-q", "--", "sympy/utilities/tests/test_iterables.py")
+        _git(repo, "checkout", "-q", "main")
+        meta.write_text(json.dumps({"base": buggy, "patch": gold, "test_patch": test_patch}))
+    info = json.loads(meta.read_text())
+    return Task(instance_id="sympy__sympy-90001", repo="sympy/sympy", version="1.13", harness="swebench",
+                base_commit=info["base"], image=SYMPY.image, problem_statement="rotate_left rotates wrong",
+                patch=info["patch"], test_patch=info["test_patch"],
+                FAIL_TO_PASS=["test_rotate", "test_minlex", "test_rotations", "test_rotate_left_by_two"],
+                PASS_TO_PASS=["test_uniq", "test_flatten"])
+
+
+async def test_sympy_bin_test_grades_gold_one_and_empty_zero_with_the_swebench_harness(local_backend, sympy_task):
+    empty = await grade(await _at_base(local_backend, sympy_task), sympy_task, timeout=600)
+    assert (empty.harness, empty.reward, empty.tampering, empty.error) == ("swebench", 0.0, (), None), empty.log[-3000:]
+    assert set(empty.failed_f2p) == set(sympy_task.FAIL_TO_PASS) and empty.p2p_passed == 2
+    assert "tests finished:" in empty.log and empty.exit_code != 0
+    sb = await _at_base(local_backend, sympy_task)
+    await sb.write_file("/tmp/gold.patch", sympy_task.patch.encode())
+    assert (await sb.exec("git apply /tmp/gold.patch && rm /tmp/gold.patch", timeout=60)).ok
+    gold = await grade(sb, sympy_task, timeout=600)
+    assert (gold.reward, gold.tampering, gold.exit_code) == (1.0, (), 0), gold.log[-3000:]
