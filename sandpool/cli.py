@@ -51,7 +51,7 @@ def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int
     with Progress(TextColumn("[bold]validate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar:
         job = bar.add_task("", total=len(task_list) * 2)
-        result = asyncio.run(validate_tasks(task_list, LocalBackend(), concurrency=concurrency,
+        result = asyncio.run(validate_tasks(task_list, LocalBackend, concurrency=concurrency,
                                             grade_timeout=grade_timeout, rejected=rejected,
                                             on_result=lambda r: bar.update(job, advance=1)))
     result.write(tasks_out, report_out)

@@ -24,7 +24,8 @@ async def test_validate_passes_good_tasks_and_names_each_kind_of_broken_one(test
                                              "PASS_TO_PASS": ("test_calc.py::test_does_not_exist",)})
     malformed = RejectedTask(task_id=None, row=7, reason="row 7: field 'base_commit' ...")
     result = await validate_tasks([calc_task, no_fix, already, bad_patch, ghost_p2p],
-                                  LocalBackend(test_images_root), concurrency=2, rejected=[malformed])
+                                  lambda: LocalBackend(test_images_root), concurrency=2,
+                                  rejected=[malformed])
     by = {v.task_id: v for v in result.verdicts}
     assert by[calc_task.instance_id].status == "pass" and (by[calc_task.instance_id].gold,
                                                            by[calc_task.instance_id].empty) == (1.0, 0.0)

@@ -4,13 +4,15 @@ Every task gets two rollouts through the same runner and grader a real run uses:
 patch (oracle policy) and the empty patch (noop policy). A task passes when gold resolves it
 and empty does not. It is broken when gold does not resolve it, when the empty patch does
 (SWE-bench issue 586: tasks whose FAIL_TO_PASS already pass at base), or when grading
-rejects it (a test patch that does not apply to base, no test command, ...). Rollouts that
+rejects it (a test patch that does not apply to base, no test command, ...). A task whose
+gold or empty verdict fails is run once more: when the second run passes the task is still
+broken, as ``flaky`` (its reward would be noise), with both runs in the reason. Rollouts that
 ended on infrastructure say nothing about the task: it is reported as not validated and left
 out of the passing list, never called broken.
 
 Usage::
 
-    result = await validate_tasks(tasks, LocalBackend())
+    result = await validate_tasks(tasks, LocalBackend)
     result.passing, result.broken, result.write(out_dir)
 """
 
@@ -113,7 +115,7 @@ def _verdict(task_id: str, gold: RolloutResult | None, empty: RolloutResult | No
     return TaskVerdict(task_id, "broken" if reasons else "pass", g, e, "; ".join(reasons))
 
 
-async def validate_tasks(tasks: Sequence[Task], backend: Backend, *, concurrency: int = 4,
+async def validate_tasks(tasks: Sequence[Task], backend: Callable[[], Backend], *, concurrency: int = 4,
                          grade_timeout: float = 300.0, retries: int = 2,
                          rejected: list[RejectedTask] | None = None,
                          on_result: Callable[[RolloutResult], None] | None = None) -> ValidationResult:
@@ -121,7 +123,8 @@ async def validate_tasks(tasks: Sequence[Task], backend: Backend, *, concurrency
 
     Args:
         tasks: The tasks.
-        backend: Where sandboxes run; closed at the end.
+        backend: Makes the backend sandboxes run on (called once per round; each is closed
+            at the end of its round), e.g. ``LocalBackend``.
         concurrency: Rollouts at once.
         grade_timeout: Seconds for each grading test run.
         retries: Infra retries per rollout.
@@ -138,17 +141,33 @@ async def validate_tasks(tasks: Sequence[Task], backend: Backend, *, concurrency
     from sandpool.envs.runner import run_batch
 
     rows = list(rejected or [])
-    report = await run_batch(tasks, [OraclePolicy(), NoopPolicy()], backend, rollouts_per_task=2,
-                             concurrency=concurrency, strategy="reuse", retries=retries,
-                             grade_timeout=grade_timeout, on_result=on_result)
-    by: dict[tuple[str, int], RolloutResult] = {(r.task_id, r.rollout): r for r in report.rollouts}
+    first = await _round(tasks, backend(), run_batch, OraclePolicy, NoopPolicy, concurrency=concurrency,
+                         retries=retries, grade_timeout=grade_timeout, on_result=on_result)
+    again_ids = {t for t, v in first.items() if v.status == "broken" and v.gold is not None}
+    again = [t for t in tasks if t.instance_id in again_ids]
+    second = await _round(again, backend(), run_batch, OraclePolicy, NoopPolicy, concurrency=concurrency,
+                          retries=retries, grade_timeout=grade_timeout) if again else {}
     out = ValidationResult(rows=rows)
     for r in rows:
         out.verdicts.append(TaskVerdict(r.task_id or f"<row {r.row}>", "broken", None, None, r.reason))
     for task in tasks:
-        v = _verdict(task.instance_id, by.get((task.instance_id, 0)), by.get((task.instance_id, 1)))
+        v = first[task.instance_id]
+        w = second.get(task.instance_id)
+        if w is not None and w.status == "pass":
+            v = TaskVerdict(v.task_id, "broken", v.gold, v.empty,
+                            f"flaky: run 1 {v.reason}; run 2 gold {w.gold:.0f}, empty {w.empty:.0f}")
         if v.status != "broken" or not any(x.task_id == v.task_id for x in out.verdicts):
             out.verdicts.append(v)
         if v.status == "pass":
             out.passing.append(task)
     return out
+
+
+async def _round(tasks, backend, run_batch, oracle, noop, *, concurrency: int, retries: int,
+                 grade_timeout: float, on_result=None) -> dict[str, TaskVerdict]:
+    report = await run_batch(tasks, [oracle(), noop()], backend, rollouts_per_task=2,
+                             concurrency=concurrency, strategy="reuse", retries=retries,
+                             grade_timeout=grade_timeout, on_result=on_result)
+    by: dict[tuple[str, int], RolloutResult] = {(r.task_id, r.rollout): r for r in report.rollouts}
+    return {t.instance_id: _verdict(t.instance_id, by.get((t.instance_id, 0)), by.get((t.instance_id, 1)))
+            for t in tasks}
