@@ -152,6 +152,7 @@ async def test_an_edit_outside_the_repo_quarantines_with_what_was_found(oci_back
                                                                        swe_task: Task) -> None:
     sb = await oci_backend.create(SWE_IMAGE)
     await record_pristine(sb)
+    assert await sb.changes_outside_repo() == []  # starting a sandbox changes nothing
     assert (await sb.exec("echo evil >> /etc/hostname; rm /etc/motd", cwd="/")).ok
     outcome = await reset_in_place(sb, swe_task.base_commit)
     assert not outcome.ok

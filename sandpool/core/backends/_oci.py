@@ -107,9 +107,15 @@ def skeleton(run_dir: Path) -> Path:
     marks = [sp / "agent.py", sp / "work-cgroup" / "0", sp / "work-cgroup" / "1"]
     for f in marks:
         f.touch()
-    for p in (skel, sp, sp / "usr", sp / "python", sp / "work-cgroup", sp / "image", *marks):
+    # Mount points bubblewrap needs, so it never creates them in the upper layer (which
+    # would read as a change the rollout made) when an image lacks them.
+    tops = [skel / d for d in ("proc", "dev", "tmp")]
+    for d in tops:
+        d.mkdir(exist_ok=True)
+    for p in (skel, sp, sp / "usr", sp / "python", sp / "work-cgroup", sp / "image", *marks, *tops):
         os.chown(p, ID_BASE, ID_BASE)
     os.chmod(skel, 0o755)
+    os.chmod(skel / "tmp", 0o1777)
     ready.touch()
     return skel
 
