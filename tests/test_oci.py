@@ -280,3 +280,34 @@ def test_a_killed_runners_oci_sandboxes_are_reaped(oci_store: ImageStore, tmp_pa
     assert run_id in reap_stale(tmp_path / "state")
     assert not pub.exists()
     assert run_id not in Path("/proc/self/mountinfo").read_text()
+
+
+async def test_a_disk_full_hydration_leaves_no_usable_image(oci_images: Path, tmp_path: Path) -> None:
+    from sandpool.core.backends import _quota
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    await _quota.attach(_quota.template(48 << 20), tmp_path / "small.img", disk, 0)
+    try:
+        store = ImageStore(disk / "store")
+        with pytest.raises(OSError) as info:  # the 120 MB layer blob does not fit in 48 MB
+            hydrate(f"oci:{oci_images / 'layout'}:swe", name="x/swe:1", store=store)
+        assert info.value.errno == errno.ENOSPC
+        assert store.resolve("x/swe:1") is None and store.images() == []
+        assert not store.layers_dir.exists() or not any(store.layers_dir.iterdir())
+        assert not any(store.tmp_dir.iterdir())  # its work is gone, so the space is back
+    finally:
+        _quota.detach(disk, tmp_path / "small.img")
+
+
+async def test_image_config_user_is_who_commands_run_as(oci_images: Path, oci_store: ImageStore,
+                                                      oci_backend: LocalBackend) -> None:
+    lay = oci_images / "layout"
+    if oci_store.resolve("sandpool.test/user:1") is None:
+        subprocess.run(["umoci", "tag", "--image", f"{lay}:base", "usertest"], check=True)
+        subprocess.run(["umoci", "config", "--image", f"{lay}:usertest", "--config.user=nobody"], check=True)
+        img = hydrate(f"oci:{lay}:usertest", name="sandpool.test/user:1", store=oci_store)
+        assert (img.uid, img.gid) == (65534, 65534) and img.user == "nobody"
+    sb = await oci_backend.create("sandpool.test/user:1")
+    res = await sb.exec("id -u; id -g; touch /etc/nope", cwd="/")
+    assert res.text.split()[:2] == ["65534", "65534"] and "Permission denied" in res.err_text

@@ -22,7 +22,8 @@ How one OCI sandbox is laid out (the local backend calls these helpers):
   none of the host's libraries (the loader path is not inherited). A static helper would be a
   second implementation of the agent protocol; this keeps one.
 * ``Env`` and ``WorkingDir`` of the image config become the environment and default cwd of
-  every command; ``User`` becomes the uid/gid commands run as. ``Entrypoint``/``Cmd`` are not
+  every command; ``User`` becomes the uid/gid the agent and so every command run as (the
+  host's ``setpriv`` switches to it, the only moment the sandbox holds CAP_SETUID/SETGID). ``Entrypoint``/``Cmd`` are not
   run: a sandbox's long-lived process is the agent, and the task harness runs the tests; they
   are kept in the image record for callers that want them.
 """
@@ -206,7 +207,9 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
         *(["--share-net"] if limits.network else []),
         "--die-with-parent", "--new-session",
-        "--uid", str(img.uid), "--gid", str(img.gid),
+        # bubblewrap is uid 0 inside (the map); a non-root ``User`` is reached below, by setpriv.
+        "--uid", "0", "--gid", "0",
+        *(["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if img.uid or img.gid else []),
         "--hostname", "sandbox",
         "--clearenv",
         "--bind", str(root), "/",
@@ -228,6 +231,12 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         env["SANDPOOL_WORK_CGROUP"] = f"{_SP}/work-cgroup"
     for key, value in env.items():
         argv += ["--setenv", key, value]
+    if img.uid or img.gid:
+        # The host's setpriv (through the host's loader, like the agent) drops to the image's
+        # User before the agent starts; changing to a non-zero uid clears every capability.
+        loader, libs = py_argv[0], py_argv[2]
+        py_argv = [loader, "--library-path", libs, f"{_SP}/usr/bin/setpriv", f"--reuid={img.uid}",
+                   f"--regid={img.gid}", "--clear-groups", "--inh-caps=-all", "--", *py_argv]
     argv += ["--chdir", img.workdir or img.repo_dir or "/", *py_argv]
     return argv
 

@@ -629,8 +629,8 @@ class LocalBackend(Backend):
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
             work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
             if oci:
-                for f in work_procs:  # the agent (host uid ID_BASE) moves its commands there
-                    os.chown(f, ID_BASE, ID_BASE)
+                for f in work_procs:  # the agent (host uid ID_BASE + User) moves its commands there
+                    os.chown(f, ID_BASE + img.uid, ID_BASE + img.gid)
                 pub = _oci.prepare_host(self.run_id, _AGENT)
                 root = pub / sid / "root"
                 root.mkdir(parents=True)
