@@ -10,7 +10,10 @@ PY312 := $(shell for p in python3.12 $$(ls -d $${PYENV_ROOT:-$$HOME/.pyenv}/vers
 RUN_ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: run test sysdeps venv cluster-build bench clean
+NG_VENV := .venvs/nemo-gym
+SANDPOOL_SRC := pyproject.toml $(shell find sandpool -type f -not -name '*.pyc' -not -path '*/.venv/*' 2>/dev/null)
+
+.PHONY: run test sysdeps venv nemo-gym-venv cluster-build bench clean
 
 sysdeps:
 	@command -v bwrap >/dev/null && command -v git >/dev/null && command -v skopeo >/dev/null \
@@ -28,6 +31,22 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 venv: $(VENV)/.installed
+
+## NeMo Gym from this clone (examples/nemo_gym/README.md): .venvs/nemo-gym with sandpool[nemo-gym]
+## and uv, and sandpool's wheel in dist/ for the per-server venv NeMo Gym builds with uv.
+nemo-gym-venv: $(NG_VENV)/.installed dist/.sandpool-wheel
+
+$(NG_VENV)/.installed: pyproject.toml
+	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. pyenv install 3.12) and retry"; exit 1; }
+	$(PY312) -m venv $(NG_VENV)
+	$(NG_VENV)/bin/pip install -q --upgrade pip
+	$(NG_VENV)/bin/pip install -q -e '.[nemo-gym]' uv
+	touch $@
+
+dist/.sandpool-wheel: $(SANDPOOL_SRC) $(NG_VENV)/.installed
+	rm -f dist/sandpool-*.whl
+	$(NG_VENV)/bin/pip wheel -q --no-deps -w dist .
+	touch $@
 
 ## The main job: the default task pack x 4 rollouts, oracle and noop policies, local sandboxes.
 run: sysdeps venv

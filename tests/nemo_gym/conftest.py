@@ -129,7 +129,7 @@ def nemo_gym_run(tmp_path_factory: pytest.TempPathFactory, pool_block: dict[str,
     proc = subprocess.Popen(argv, cwd=work, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     try:
-        _wait_for_servers(proc, head, [MAIN, SHORT_IDLE], work / "ng_run.log")
+        wait_for_servers(proc, head, [MAIN, SHORT_IDLE], work / "ng_run.log")
         yield head
     finally:
         try:
@@ -141,11 +141,17 @@ def nemo_gym_run(tmp_path_factory: pytest.TempPathFactory, pool_block: dict[str,
         log.close()
 
 
-def _wait_for_servers(proc: subprocess.Popen, head: BaseServerConfig, names: list[str], log: Path) -> None:
+def wait_for_servers(proc: subprocess.Popen, head: BaseServerConfig, names: list[str], log: Path,
+                     timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
+    """Wait until every named resources server answers ``/pool_status`` through the head server.
+
+    Raises:
+        RuntimeError: ``proc`` exited, or ``timeout_s`` passed; the message ends with the log.
+    """
     import requests
     from omegaconf import OmegaConf
 
-    deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"ng_run exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
@@ -163,7 +169,7 @@ def _wait_for_servers(proc: subprocess.Popen, head: BaseServerConfig, names: lis
         except (requests.RequestException, KeyError, ValueError):
             pass
         time.sleep(1.0)
-    raise RuntimeError(f"NeMo Gym servers not up in {_STARTUP_TIMEOUT_S:.0f} s:\n{log.read_text()[-4000:]}")
+    raise RuntimeError(f"NeMo Gym servers not up in {timeout_s:.0f} s:\n{log.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="session")
