@@ -29,6 +29,7 @@ from sandpool.core.reset import ResetOutcome, reset_in_place
 from sandpool.core.rollout import Episode, run_rollout
 from sandpool.core.strategies import Cold, Reuse, Strategy, Warm, get_strategy
 from sandpool.core.task import Task
+from sandpool.core.telemetry import PoolMetrics
 
 __all__ = [
     "ApiError",
@@ -48,6 +49,7 @@ __all__ = [
     "Outcome",
     "PoolClosed",
     "PoolLimits",
+    "PoolMetrics",
     "PoolState",
     "Report",
     "ResetOutcome",

@@ -11,6 +11,8 @@ import abc
 import enum
 from dataclasses import dataclass
 
+from sandpool.core.telemetry import NO_METRICS, Telemetry
+
 __all__ = [
     "Backend",
     "ExecResult",
@@ -230,6 +232,8 @@ class Backend(abc.ABC):
 
     #: Short name used in reports (``local``, ``kubernetes``, ``memory``).
     name: str = "backend"
+    #: Where a backend records control-plane requests (set by the pool that uses it).
+    telemetry: Telemetry = NO_METRICS
 
     async def preflight(self) -> None:
         """Check that this backend can run at all; raise :class:`BackendUnavailable` if not."""

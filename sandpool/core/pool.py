@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from aiolimiter import AsyncLimiter
+from prometheus_client import CollectorRegistry
 
 from sandpool.core import errors
 from sandpool.core.base import Backend, ExecResult, Sandbox, SandboxState
@@ -35,6 +36,7 @@ from sandpool.core.metrics import (
 from sandpool.core.reset import checkout, record_pristine, reset_in_place
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
+from sandpool.core.telemetry import PoolMetrics, Telemetry, resolve_metrics
 
 __all__ = ["Lease", "PoolLimits", "PoolState", "SandboxPool"]
 
@@ -98,6 +100,7 @@ class _Image:
     deleting: int = 0  # still holding the backend's resources until the delete returns
     fill_failures: int = 0  # consecutive failed warm fills: they back off, the target stays
     fill_after: float = 0.0  # monotonic time before which no warm fill starts
+    quarantined: int = 0  # failed their reset; their delete is in flight (part of `deleting`)
 
     @property
     def live(self) -> int:
@@ -152,15 +155,17 @@ class Lease:
             return await coro
         except errors.InfraError as exc:
             self.broken = exc
-            self._pool.counters.infra_error(exc.kind)
+            self._pool._infra_error(exc.kind)
             raise
 
     async def exec(self, cmd: str | list[str], **kwargs: object) -> ExecResult:
         """Run a command; see :meth:`sandpool.core.base.Sandbox.exec`. The first call sets TTFC."""
-        res = await self._guard(self.sandbox.exec(cmd, **kwargs))  # type: ignore[arg-type]
+        with Telemetry.span("sandpool.exec", sandbox_id=self.sandbox.id):
+            res = await self._guard(self.sandbox.exec(cmd, **kwargs))  # type: ignore[arg-type]
         if self.ttfc_s is None:
             self.ttfc_s = time.monotonic() - self._t_claim
             self._pool._ttfc.append(self.ttfc_s)
+            self._pool.telemetry.first_command(self.ttfc_s)
         return res
 
     async def read_file(self, path: str) -> bytes:
@@ -190,6 +195,10 @@ class SandboxPool:
         backend: Where sandboxes run.
         strategy: ``"cold"``, ``"warm"``, ``"reuse"`` or a :class:`Strategy`.
         limits: Creation rate, live cap and timeouts.
+        metrics: Prometheus series to record into: ``True`` (the default registry), a
+            ``prometheus_client.CollectorRegistry``, a
+            :class:`~sandpool.core.telemetry.PoolMetrics`, or ``None`` (off). OpenTelemetry
+            spans are emitted either way (a no-op without a configured ``TracerProvider``).
     """
 
     def __init__(
@@ -197,6 +206,8 @@ class SandboxPool:
         backend: Backend,
         strategy: str | Strategy = "reuse",
         limits: PoolLimits = PoolLimits(),
+        *,
+        metrics: PoolMetrics | CollectorRegistry | bool | None = None,
     ) -> None:
         self.backend = backend
         self.strategy = get_strategy(strategy)
@@ -211,6 +222,11 @@ class SandboxPool:
         self._leases: set[Lease] = set()
         self._ttfc: list[float] = []
         self._changed = asyncio.Event()
+        self.telemetry = Telemetry(resolve_metrics(metrics), backend=backend.name,
+                                   strategy=self.strategy.name)
+        if self.telemetry.metrics is not None:
+            self.telemetry.metrics.attach(self)
+        backend.telemetry = self.telemetry
 
     def __repr__(self) -> str:
         idle = sum(len(i.idle) for i in self._images.values())
@@ -384,40 +400,46 @@ class SandboxPool:
         """
         self._check_open()
         t0 = time.monotonic()
-        await self.hydrate(task.image)
-        deadline = t0 + (timeout if timeout is not None else self.limits.claim_timeout)
-        while True:
-            entry = await self._wait_for_entry(task, deadline)
-            if not entry.sandbox.alive():  # died while idle: not this rollout's failure
-                self.counters.lost += 1
-                self._drop(entry)
-                continue
-            lease = Lease(self, entry, task, t0)
-            self._leases.add(lease)
-            if entry.head != task.base_commit:
-                try:
-                    await checkout(entry.sandbox, task.base_commit, timeout=self.limits.reset_timeout)
-                except errors.InfraError as exc:
-                    self.counters.infra_error(exc.kind)
-                    await self.release(lease, reusable=False)
-                    raise
-                except BaseException:
-                    await self.release(lease, reusable=False)
-                    raise
-                entry.head = task.base_commit
-            self.counters.claims += 1
-            return lease
+        with Telemetry.span("sandpool.claim", task_id=task.instance_id, image=task.image) as span:
+            await self.hydrate(task.image)
+            deadline = t0 + (timeout if timeout is not None else self.limits.claim_timeout)
+            while True:
+                entry, warm = await self._wait_for_entry(task, deadline)
+                if not entry.sandbox.alive():  # died while idle: not this rollout's failure
+                    self.counters.lost += 1
+                    self._drop(entry)
+                    continue
+                lease = Lease(self, entry, task, t0)
+                self._leases.add(lease)
+                if entry.head != task.base_commit:
+                    try:
+                        await checkout(entry.sandbox, task.base_commit, timeout=self.limits.reset_timeout)
+                    except errors.InfraError as exc:
+                        self._infra_error(exc.kind)
+                        await self.release(lease, reusable=False)
+                        raise
+                    except BaseException:
+                        await self.release(lease, reusable=False)
+                        raise
+                    entry.head = task.base_commit
+                self.counters.claims += 1
+                self.telemetry.claimed(warm=warm)
+                span.set_attribute("sandpool.warm", warm)
+                span.set_attribute("sandpool.sandbox_id", entry.sandbox.id)
+                return lease
 
-    async def _wait_for_entry(self, task: Task, deadline: float) -> _Entry:
+    async def _wait_for_entry(self, task: Task, deadline: float) -> tuple[_Entry, bool]:
+        """Wait for a sandbox of ``task.image``; return it and whether it was a warm hit."""
         img = self._images.setdefault(task.image, _Image())
         fut: asyncio.Future[_Entry] = asyncio.get_running_loop().create_future()
         waiter = _Waiter(task.image, task.base_commit, fut)
         img.waiters.append(waiter)
         self._assign()
-        if fut.done() and not fut.cancelled() and fut.exception() is None:
+        warm = fut.done() and not fut.cancelled() and fut.exception() is None
+        if warm:
             self.counters.warm_hits += 1
         try:
-            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic()))
+            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic())), warm
         except BaseException as exc:
             with contextlib.suppress(ValueError):
                 img.waiters.remove(waiter)
@@ -427,7 +449,7 @@ class SandboxPool:
                 fut.cancel()
             self._assign()
             if isinstance(exc, TimeoutError):
-                self.counters.infra_error(errors.InfraTimeout.kind)
+                self._infra_error(errors.InfraTimeout.kind)
                 raise errors.InfraTimeout(
                     f"no sandbox of {task.image!r} within the claim timeout; raise "
                     "PoolLimits.claim_timeout or max_live"
@@ -542,6 +564,10 @@ class SandboxPool:
         return task
 
     async def _create(self, name: str, warm_up: bool) -> None:
+        with Telemetry.span("sandpool.create", image=name, warm_up=warm_up):
+            await self._create_traced(name, warm_up)
+
+    async def _create_traced(self, name: str, warm_up: bool) -> None:
         img = self._images[name]
         try:
             async with self._limiter:
@@ -568,6 +594,7 @@ class SandboxPool:
         img.creating -= 1
         img.fill_failures = 0
         self.counters.created += 1
+        self.telemetry.created(ok=True)
         if self.state is not PoolState.OPEN:
             await self._delete(sandbox)
             return
@@ -578,8 +605,9 @@ class SandboxPool:
         img = self._images[name]
         img.creating -= 1
         self.counters.create_failures += 1
+        self.telemetry.created(ok=False)
         if isinstance(exc, errors.InfraError):
-            self.counters.infra_error(exc.kind)
+            self._infra_error(exc.kind)
         # The failure belongs to a waiting claim, if any; otherwise it only shows in counters.
         while img.waiters:
             w = img.waiters.popleft()
@@ -606,16 +634,22 @@ class SandboxPool:
     async def _reset(self, entry: _Entry, commit: str) -> None:
         img = self._images[entry.image]
         t0 = time.monotonic()
-        try:
-            outcome = await asyncio.wait_for(
-                reset_in_place(entry.sandbox, commit, timeout=self.limits.reset_timeout),
-                self.limits.reset_timeout * 2,
-            )
-            problems, head = list(outcome.problems), outcome.head
-        except Exception as exc:  # noqa: BLE001 - any failure quarantines; none leaks `resetting`
-            problems, head = [f"reset failed: {type(exc).__name__}: {exc}"], None
+        quarantine = None
+        with Telemetry.span("sandpool.reset", image=entry.image, sandbox_id=entry.sandbox.id) as span:
+            try:
+                outcome = await asyncio.wait_for(
+                    reset_in_place(entry.sandbox, commit, timeout=self.limits.reset_timeout),
+                    self.limits.reset_timeout * 2,
+                )
+                problems, head = list(outcome.problems), outcome.head
+                quarantine = "not_pristine" if problems else None
+            except Exception as exc:  # noqa: BLE001 - any failure quarantines; none leaks `resetting`
+                problems, head = [f"reset failed: {type(exc).__name__}: {exc}"], None
+                quarantine = "reset_error"
+            span.set_attribute("sandpool.quarantine", quarantine or "")
         img.resetting -= 1
         self.counters.reset_time(time.monotonic() - t0)
+        self.telemetry.reset_done(time.monotonic() - t0, quarantine=quarantine)
         if self.state is not PoolState.OPEN:
             await self._delete(entry.sandbox)
             return
@@ -624,7 +658,7 @@ class SandboxPool:
             self.counters.quarantine_reasons = (self.counters.quarantine_reasons
                                                 + [f"{entry.sandbox.id}: {'; '.join(problems)}"])[-20:]
             entry.state = SandboxState.DELETED
-            self._start_delete(entry.sandbox, entry.image)
+            self._start_delete(entry.sandbox, entry.image, quarantined=True)
         else:
             self.counters.resets += 1
             entry.head = head
@@ -632,23 +666,35 @@ class SandboxPool:
             img.idle.appendleft(entry)
         self._assign()
 
-    def _start_delete(self, sandbox: Sandbox, image: str) -> None:
+    def _start_delete(self, sandbox: Sandbox, image: str, *, quarantined: bool = False) -> None:
         # Counted against max_live until the backend says it is gone.
         img = self._images.get(image)
         if img is not None:
             img.deleting += 1
-        self._spawn(self._delete(sandbox, img))
+            img.quarantined += quarantined
+        self._spawn(self._delete(sandbox, img, quarantined=quarantined))
 
-    async def _delete(self, sandbox: Sandbox, img: _Image | None = None) -> None:
+    async def _delete(self, sandbox: Sandbox, img: _Image | None = None, *, quarantined: bool = False) -> None:
         try:
             await self.backend.delete(sandbox)
         finally:
             self.counters.deleted += 1
             if img is not None:
                 img.deleting -= 1
+                img.quarantined -= quarantined
                 self._assign()  # its room is free now
 
+    def _infra_error(self, kind: str) -> None:
+        self.counters.infra_error(kind)
+        self.telemetry.infra_error(kind)
+
     # -- reporting ---------------------------------------------------------------------------
+
+    def sizes(self) -> dict[str, dict[str, int]]:
+        """Sandboxes by image and state (idle, leased, creating, resetting, quarantined)."""
+        return {name: {"idle": len(i.idle), "leased": i.leased, "creating": i.creating,
+                       "resetting": i.resetting, "quarantined": i.quarantined}
+                for name, i in self._images.items()}
 
     @property
     def ttfc_samples(self) -> list[float]:

@@ -13,6 +13,7 @@ from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
 from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
+from sandpool.core.telemetry import Telemetry
 
 __all__ = ["Episode", "run_rollout"]
 
@@ -42,6 +43,9 @@ async def run_rollout(
     * the input's (an unknown image, a base commit not in the image, a broken task):
       ``rejected`` with the reason and ``reward=None``; the caller goes on with other tasks.
 
+    The rollout is one ``sandpool.rollout`` span (parent of its claims, commands and grading)
+    and one count in ``sandpool_rollouts_total`` (see :mod:`sandpool.core.telemetry`).
+
     Args:
         pool: An open pool.
         task: The task.
@@ -56,6 +60,17 @@ async def run_rollout(
     Raises:
         FatalError: The backend is unusable or the pool closed; no point continuing the batch.
     """
+    with Telemetry.span("sandpool.rollout", task_id=task.instance_id, image=task.image,
+                        rollout=rollout, policy=policy) as span:
+        result = await _run_attempts(pool, task, episode, rollout=rollout, retries=retries, policy=policy)
+        span.set_attribute("sandpool.outcome", result.outcome.value)
+        span.set_attribute("sandpool.attempts", result.attempts)
+    pool.telemetry.rollout_done(result.outcome.value)
+    return result
+
+
+async def _run_attempts(pool: SandboxPool, task: Task, episode: Episode, *, rollout: int,
+                        retries: int, policy: str | None) -> RolloutResult:
     t0 = time.monotonic()
     last: Exception | None = None
     sandbox_id = None
@@ -75,6 +90,7 @@ async def run_rollout(
             if verdict is Verdict.INFRA:
                 if not isinstance(exc, errors.InfraError):  # the pool counts its own kinds
                     pool.counters.infra_error(error_kind(exc))
+                    pool.telemetry.infra_error(error_kind(exc))
                 last = exc
                 continue
             outcome = verdict.outcome

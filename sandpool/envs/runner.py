@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
 from sandpool.core import errors
@@ -24,6 +25,7 @@ from sandpool.core.pool import Lease, PoolLimits, SandboxPool
 from sandpool.core.rollout import run_rollout
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
+from sandpool.core.telemetry import NO_METRICS, PoolMetrics
 from sandpool.envs.grading import grade
 from sandpool.envs.policies import Policy
 
@@ -46,6 +48,7 @@ async def run_batch(
     rejected: list[RejectedTask] | None = None,
     rows: Mapping[str, int] | None = None,
     on_result: Callable[[RolloutResult], None] | None = None,
+    metrics: PoolMetrics | CollectorRegistry | bool | None = None,
 ) -> Report:
     """Run every task ``rollouts_per_task`` times and return the report.
 
@@ -74,6 +77,9 @@ async def run_batch(
             rejected rollouts, and as a task of the workload.
         rows: 1-based row number of each task id in its tasks file, for the report.
         on_result: Called with every result as it lands, resumed ones included (progress bars).
+        metrics: Prometheus series for the pool (see :class:`~sandpool.core.pool.SandboxPool`);
+            every result of this run, rejected ones included, counts once in
+            ``sandpool_rollouts_total`` (resumed results do not: they ran before).
 
     Returns:
         The :class:`Report` (``rollouts`` holds every result, in completion order).
@@ -96,8 +102,12 @@ async def run_batch(
             results.append(r)
             done.add((r.task_id, r.rollout))
     sink = results_path.open("a") if results_path is not None else None
+    resumed = len(results)
+    tel = NO_METRICS  # the pool's telemetry once it is open
 
-    def land(result: RolloutResult) -> None:
+    def land(result: RolloutResult, *, counted: bool = False) -> None:
+        if not counted:  # run_rollout counts its own results
+            tel.rollout_done(result.outcome.value)
         results.append(result)
         done.add((result.task_id, result.rollout))
         if sink is not None:
@@ -123,7 +133,10 @@ async def run_batch(
             valid.add(tid)
             reject_all(tid, rt.row, rt.reason, "task_validation")
         pre_rejected = len(rejected)
-        async with SandboxPool(backend, strat, limits) as pool:
+        async with SandboxPool(backend, strat, limits, metrics=metrics) as pool:
+            tel = pool.telemetry
+            for r in results[resumed:]:  # rejected before the pool opened
+                tel.rollout_done(r.outcome.value)
             runnable: list[Task] = []
             for task in tasks:
                 try:
@@ -182,7 +195,7 @@ async def run_batch(
                             bad[task.instance_id] = result
                             rejected.append(RejectedTask(task_id=task.instance_id, row=row,
                                                          reason=result.error or "rejected"))
-                        land(result)
+                        land(result, counted=True)
 
             await asyncio.gather(*(lane(q) for image, q in lanes.items()
                                    for _ in range(slots.get(image, 1))))
