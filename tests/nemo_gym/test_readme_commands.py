@@ -1,8 +1,7 @@
 """The READMEs' own commands, run as written from a copy of this clone.
 
 ``examples/nemo_gym/README.md``'s ``bash`` blocks under "Install" and "Run" are extracted and
-run in one shell, in document order, from the root of a fresh copy of the repository's tracked
-files: ``make nemo-gym-venv`` makes a venv with sandpool installed from the copy and builds the
+run in one shell, in document order, from the root of a copy of the committed tree (``HEAD``): ``make nemo-gym-venv`` makes a venv with sandpool installed from the copy and builds the
 wheel NeMo Gym's per-server venv installs, then ``ng_run`` starts with the shipped config (and
 NeMo Gym builds that venv with uv from ``requirements.txt``). Once the server answers, one oracle episode goes through
 the routes the README lists, then the shell gets the Ctrl-C a user would send.
@@ -17,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -59,17 +57,11 @@ def inline_pip_installs(readme: Path) -> list[str]:
 
 
 def fresh_clone(dest: Path) -> Path:
-    """Copy the repository's tracked files (working-tree contents, symlinks kept) to ``dest``."""
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for name in filter(None, names.decode().split("\0")):
-        src, dst = ROOT / name, dest / name
-        if not src.exists() and not src.is_symlink():
-            continue  # deleted in the work tree, not yet committed
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():
-            dst.symlink_to(os.readlink(src))
-        else:
-            shutil.copy2(src, dst)
+    """Put the repository's committed tree (``HEAD``, symlinks kept) at ``dest``, as a clone has it."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
 
 
