@@ -76,6 +76,7 @@ def run(
     chat_url: Annotated[str, typer.Option(help="OpenAI-compatible endpoint for the chat policy.")] = "",
     model: Annotated[str, typer.Option(help="Model name for the chat policy.")] = "",
     network: Annotated[bool, typer.Option(help="Give sandboxes network access.")] = False,
+    metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics while running (0 = off).")] = 0,
 ) -> None:
     """Run N tasks x k rollouts on the local backend, with a progress bar and a report."""
     from sandpool.core.backends.local import LocalBackend
@@ -102,6 +103,17 @@ def run(
         results_path.unlink(missing_ok=True)
     backend = LocalBackend(limits=ResourceLimits(network=network))
     counts = {o: 0 for o in Outcome}
+    metrics = None
+    if metrics_port:
+        from sandpool.core.telemetry import PoolMetrics
+
+        metrics = PoolMetrics()
+        try:
+            metrics.serve(metrics_port)
+        except OSError as exc:
+            console.print(f"[red]error:[/] --metrics-port {metrics_port}: {exc}; pick a free port")
+            raise typer.Exit(2) from None
+        console.print(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
 
     with Progress(TextColumn("[bold]rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   TextColumn("{task.description}"), console=console) as bar:
@@ -116,7 +128,7 @@ def run(
             report = asyncio.run(run_batch(
                 task_list, policies, backend, rollouts_per_task=rollouts, concurrency=concurrency,
                 strategy=strategy, limits=PoolLimits(), retries=retries, results_path=results_path,
-                resume=resume, rejected=rejected, rows=rows, on_result=on_result))
+                resume=resume, rejected=rejected, rows=rows, on_result=on_result, metrics=metrics))
         except KeyboardInterrupt:
             console.print(f"[yellow]interrupted[/]: finished rollouts are kept in {results_path}; "
                           "rerun with --resume to continue")

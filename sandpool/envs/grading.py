@@ -36,6 +36,7 @@ from sandpool.core import errors
 from sandpool.core.base import ExecResult, Sandbox
 from sandpool.core.reset import restore_git_metadata
 from sandpool.core.task import Task
+from sandpool.core.telemetry import traced
 from sandpool.envs.harness import TestPlan, plan_for
 from sandpool.envs.verdict import cross_check, read_signed_report, runner_check
 
@@ -278,6 +279,7 @@ async def _restore_git(sandbox: _Execs) -> None:
         await kill()
 
 
+@traced("sandpool.grade", lambda sandbox, task, **_: {"task_id": task.instance_id, "image": task.image})
 async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> GradeResult:
     """Grade the current state of ``sandbox`` against ``task`` as the task's harness does.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 
 import pytest
 from aiohttp import ClientResponseError
@@ -87,6 +88,20 @@ async def test_policy_errors_are_tool_results_not_failures(server_client, calc_t
     assert (await ep.verify())["reward"] == 0.0
 
 
+async def test_file_errors_of_the_policy_are_tool_results_and_the_episode_goes_on(server_client, calc_task: Task) -> None:
+    ep = SimpleAgentEpisode(server_client, MAIN, row_for(calc_task))
+    seeded = await ep.seed()
+    for path in ("/usr/x", "/etc/foo"):  # read-only root: EROFS or EACCES, the policy's doing
+        status, body = await ep.tool("write_file", path=path, content="x")
+        assert status == 400 and body["outcome"] == "policy_error" and body["kind"] == "file_error", body
+        assert body["errno"] in (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT), body
+    status, body = await ep.tool("read_file", path=".")  # a directory
+    assert status == 400 and body["errno"] == errno.EISDIR, body
+    await ep.tool("write_file", path="calc.py", content="def add(a, b):\n    return a + b\n")
+    result = await ep.verify()  # the same sandbox, still leased: graded, not failed
+    assert result["reward"] == 1.0 and result["sandbox_id"] == seeded["sandbox_id"]
+
+
 async def test_tool_call_without_seed_is_rejected(server_client) -> None:
     ep = SimpleAgentEpisode(server_client, MAIN, {"instance_id": "x", "responses_create_params": {"input": ""}})
     status, body = await ep.tool("shell", command="true")
@@ -123,3 +138,27 @@ async def test_abandoned_session_is_reclaimed_after_idle_timeout(server_client, 
     status, body = await ep2.tool("read_file", path="calc.py")
     assert "a - b" in body["content"]
     assert (await ep2.verify())["reward"] == 0.0
+
+
+async def test_metrics_endpoint_counts_the_servers_claims_and_rollouts(server_client, calc_task: Task) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def scrape() -> dict[str, float]:
+        res = await server_client.get(server_name=MAIN, url_path="/metrics")
+        assert res.status == 200
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families((await res.read()).decode()):
+            for s in family.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    before, status = await scrape(), await _status(server_client, MAIN)
+    assert before["sandpool_claims_total"] == status["claims"]
+    ep = SimpleAgentEpisode(server_client, MAIN, row_for(calc_task))
+    await ep.seed()
+    await ep.verify()
+    after, status = await scrape(), await _status(server_client, MAIN)
+    assert after["sandpool_claims_total"] == before["sandpool_claims_total"] + 1 == status["claims"]
+    assert after["sandpool_ttfc_seconds_count"] == before["sandpool_ttfc_seconds_count"] + 1
+    assert after["sandpool_sandbox_creations_total"] == status["created"]
+    assert after["sandpool_rollouts_total"] == before.get("sandpool_rollouts_total", 0) + 1

@@ -137,13 +137,17 @@ class PoolSettings(BaseModel):
         except TypeError as exc:
             raise errors.ConfigError(f"sandpool.kubernetes: {exc}") from None
 
-    def build_pool(self) -> SandboxPool:
+    def build_pool(self, metrics: Any = None) -> SandboxPool:
         """Construct an unopened :class:`SandboxPool` on the configured backend.
+
+        Args:
+            metrics: Prometheus series for the pool (see :class:`SandboxPool`), or ``None``.
 
         Raises:
             ConfigError: As :meth:`build_backend`.
         """
-        return SandboxPool(self.build_backend(), strategy=self.strategy, limits=self.limits())
+        return SandboxPool(self.build_backend(), strategy=self.strategy, limits=self.limits(),
+                           metrics=metrics)
 
     async def load_tasks(self) -> list[Task]:
         """Load the task source named by ``tasks``.

@@ -9,12 +9,19 @@ Routes (all keyed by NeMo Gym's session cookie):
 * ``POST /verify`` grades the sandbox's state against FAIL_TO_PASS/PASS_TO_PASS, returns
   ``reward`` (1.0 resolved, else 0.0), then releases the sandbox for reuse.
 * ``GET /pool_status`` shows pool and session counts.
+* ``GET /metrics`` serves the pool's Prometheus series (:mod:`sandpool.core.telemetry`), in a
+  registry of this server's own.
 
 * ``POST /close_session`` (NeMo Gym >= 0.7) releases the sandbox of a session an Environment
   Server seeded with a typed ``ResourcesSeedSessionRequest``; a later seed of that id is refused.
 
-Failure accounting: an infra failure (a sandbox that died, a broken command channel, a claim
-that timed out, a session reclaimed for idleness) is never a reward.
+Failure accounting: every error is placed by the one classifier,
+:func:`sandpool.core.classify.classify`. An infra failure (a sandbox that died, a broken
+command channel, a claim that timed out, a session reclaimed for idleness, an error sandpool
+does not know) is never a reward. The policy's own errors are results: a tool answers ``400``
+with ``{"outcome": "policy_error", "kind": "file_error", "errno": ...}`` and the session goes
+on; at ``/verify`` (suspected tampering) they score ``reward`` 0. A task that cannot be graded
+is the input's: ``422`` on 0.4, a masked, terminal (not retried) sample on 0.7.
 
 * ``/seed_session`` and the tools answer ``503`` with
   ``{"outcome": "infra_failed", "kind": ..., "failure_kind": ..., "message": ...}``; NeMo Gym's
@@ -35,7 +42,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from nemo_gym.base_resources_server import (
@@ -48,6 +56,7 @@ from nemo_gym.base_resources_server import (
 )
 from nemo_gym.server_utils import SESSION_ID_KEY
 from sandpool.core import errors
+from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.pool import SandboxPool
 from sandpool.core.task import Task
 from sandpool.envs.grading import grade
@@ -256,39 +265,64 @@ def nemo_failure_kind(kind: str) -> str:
     return NEMO_FAILURE_KINDS.get(kind, f"sandpool:{kind}")
 
 
-def _error_response(exc: errors.SandpoolError) -> JSONResponse:
-    """Map a sandpool error to the HTTP answer NeMo Gym's agents act on.
+def _error_response(exc: Exception) -> JSONResponse:
+    """Map an error to the HTTP answer NeMo Gym's agents act on, as the one classifier
+    (:func:`sandpool.core.classify.classify`) places it.
 
-    Infra errors are ``503`` (NeMo Gym raises: a failed, retryable rollout, never a reward);
-    an unknown or closed session is ``409``; other input errors ``422``; a closed pool ``503``.
+    Infra (and any error sandpool does not know) is ``503``: NeMo Gym raises, a failed,
+    retryable rollout, never a reward. The policy's own error (a file errno on its path, a
+    fork bomb) is ``400``, a tool result the model sees. An unknown or closed session is
+    ``409``; other input errors (a task that cannot run) ``422``; a fatal one ``503``.
     """
-    content = {"kind": exc.kind, "message": str(exc)}
-    if isinstance(exc, errors.InfraError):
+    content = {"kind": error_kind(exc), "message": str(exc)}
+    if isinstance(exc, (UnknownSession, SessionClosed)):
+        return JSONResponse(status_code=409, content={"outcome": "no_session"} | content)
+    verdict = classify(exc)
+    if verdict is Verdict.INFRA:
         status, outcome = 503, "infra_failed"
-        content["failure_kind"] = nemo_failure_kind(exc.kind)
-    elif isinstance(exc, (UnknownSession, SessionClosed)):
-        status, outcome = 409, "no_session"
-    elif isinstance(exc, errors.InputError):
+        content["failure_kind"] = nemo_failure_kind(content["kind"])
+    elif verdict is Verdict.POLICY:
+        status, outcome = 400, "policy_error"
+        if isinstance(exc, OSError) and exc.errno is not None:
+            content["errno"] = exc.errno
+    elif verdict is Verdict.INPUT:
         status, outcome = 422, "bad_input"
     else:
         status, outcome = 503, "unavailable"
     return JSONResponse(status_code=status, content={"outcome": outcome} | content)
 
 
-def _failed_verify_response(body: BaseVerifyRequest, exc: errors.InfraError) -> JSONResponse:
-    """A ``/verify`` whose sandbox failed: 0.4's ``503``, or 0.7's masked ``200`` (module doc)."""
+def _failed_verify_response(body: BaseVerifyRequest, exc: Exception, *, terminal: bool) -> JSONResponse:
+    """A ``/verify`` that could not grade: 0.4's error answer, or 0.7's masked ``200``.
+
+    ``terminal`` (a task that cannot be graded) stamps ``_ng_failure_terminal``, so 0.7's
+    resume does not retry it; an infra failure is retried.
+    """
     if not MASKS_FAILED_VERIFY:
         return _error_response(exc)
-    kind = nemo_failure_kind(exc.kind)
+    kind = "verifier_error" if terminal else nemo_failure_kind(error_kind(exc))
     data = body.model_dump(mode="json")
     instance_config = data.get("instance_config")
     data |= {
         "reward": 0.0, "mask_sample": True, "failure_kind": kind, "failure_reason": str(exc)[:2000],
         # Older NeMo RL consumers read the mask from instance_config (as 0.7's judge_failsafe sets it).
         "instance_config": (instance_config if isinstance(instance_config, dict) else {}) | {"mask_sample": True},
-        "_ng_failure_class": kind, "outcome": "infra_failed", "kind": exc.kind,
+        "_ng_failure_class": kind, "outcome": "rejected" if terminal else "infra_failed",
+        "kind": error_kind(exc),
     }
+    if terminal:
+        data["_ng_failure_terminal"] = True
     BaseVerifyResponse.model_validate(data)  # the shape 0.7 parses (warns on an unknown kind)
+    return JSONResponse(content=jsonable_encoder(data))
+
+
+def _scored_failure(body: BaseVerifyRequest, exc: Exception) -> JSONResponse:
+    """A ``/verify`` whose failure is the policy's own (the classifier's ``POLICY``): reward 0,
+    scored, with the reason (not masked on 0.7: it is a valid measurement of the policy)."""
+    data = body.model_dump(mode="json") | {"reward": 0.0, "outcome": "task_failed",
+                                           "kind": error_kind(exc), "message": str(exc)[:2000]}
+    if MASKS_FAILED_VERIFY:
+        data |= {"failure_kind": f"sandpool:{error_kind(exc)}", "failure_reason": str(exc)[:2000]}
     return JSONResponse(content=jsonable_encoder(data))
 
 
@@ -311,6 +345,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
     _pool: SandboxPool | None = PrivateAttr(default=None)
     _sessions: SessionTable | None = PrivateAttr(default=None)
     _tasks: dict[str, Task] = PrivateAttr(default_factory=dict)
+    _registry: CollectorRegistry = PrivateAttr(default_factory=CollectorRegistry)
 
     @property
     def pool(self) -> SandboxPool:
@@ -341,6 +376,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         app.post("/read_file")(self.read_file)
         app.post("/write_file")(self.write_file)
         app.get("/pool_status")(self.pool_status)
+        app.get("/metrics")(self.metrics)
 
         inner = app.router.lifespan_context
 
@@ -367,7 +403,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         settings = self.config.sandpool
         tasks = await settings.load_tasks()
         self._tasks = {t.instance_id: t for t in tasks}
-        pool = settings.build_pool()
+        pool = settings.build_pool(metrics=self._registry)
         await pool.open()
         try:
             if settings.prepare and tasks:
@@ -423,7 +459,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
                 sid, instance_id, inline = request.session[SESSION_ID_KEY], body.instance_id, body.task
             task = self._task_for(str(instance_id), inline)
             session = await self.sessions.open(sid, task)
-        except errors.SandpoolError as exc:
+        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
             return _error_response(exc)
         if typed:
             request.session[SESSION_ID_KEY] = sid  # tool calls and /verify carry it in the cookie
@@ -439,7 +475,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         """
         try:
             await self.sessions.close(body.resources_session_id, refuse_reseed=True)
-        except errors.SandpoolError as exc:
+        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
             return _error_response(exc)
         return ResourcesCloseSessionResponse(resources_session_id=body.resources_session_id)
 
@@ -455,7 +491,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
             async with self.sessions.use(request.session[SESSION_ID_KEY]) as session:
                 res = await session.lease.exec(body.command, timeout=timeout,
                                                max_output=settings.max_output_bytes)
-        except errors.SandpoolError as exc:
+        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
             return _error_response(exc)
         return ShellResponse(exit_code=res.exit_code, stdout=res.text, stderr=res.err_text,
                              stdout_truncated=res.stdout_truncated, stderr_truncated=res.stderr_truncated,
@@ -469,7 +505,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
                 data = await session.lease.read_file(body.path)
         except FileNotFoundError as exc:
             return JSONResponse(status_code=404, content={"outcome": "not_found", "message": str(exc)})
-        except errors.SandpoolError as exc:
+        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
             return _error_response(exc)
         return ReadFileResponse(path=body.path, content=data[:cap].decode("utf-8", "replace"),
                                 size_bytes=len(data), truncated=len(data) > cap)
@@ -484,7 +520,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         try:
             async with self.sessions.use(request.session[SESSION_ID_KEY]) as session:
                 await session.lease.write_file(body.path, data)
-        except errors.SandpoolError as exc:
+        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
             return _error_response(exc)
         return WriteFileResponse(path=body.path, bytes_written=len(data))
 
@@ -500,10 +536,18 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
                 result = await grade(session.lease, session.task,
                                      timeout=self.config.sandpool.grade_timeout_s)
                 lease, task = session.lease, session.task
-        except errors.InfraError as exc:
-            return _failed_verify_response(body, exc)
-        except errors.SandpoolError as exc:
+        except (UnknownSession, SessionClosed) as exc:
             return _error_response(exc)
+        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
+            verdict = classify(exc)
+            if verdict.outcome is not None and self._pool is not None:
+                self._pool.telemetry.rollout_done(verdict.outcome.value)
+            if verdict is Verdict.POLICY:  # e.g. suspected tampering: the policy's, scored 0
+                return _scored_failure(body, exc)
+            if verdict in (Verdict.INFRA, Verdict.INPUT):
+                return _failed_verify_response(body, exc, terminal=verdict is Verdict.INPUT)
+            return _error_response(exc)
+        self.pool.telemetry.rollout_done("completed")
         graded = dict(
             reward=result.reward, instance_id=task.instance_id, sandbox_id=lease.id,
             resolved=result.resolved, f2p_passed=result.f2p_passed, f2p_failed=result.f2p_failed,
@@ -512,6 +556,10 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
             grade_duration_s=result.duration_s, ttfc_s=lease.ttfc_s,
         )
         return SandpoolVerifyResponse(**(body.model_dump() | graded))
+
+    async def metrics(self) -> Response:
+        """The pool's Prometheus series, in the text exposition format."""
+        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
 
     async def pool_status(self) -> dict[str, Any]:
         """Pool and session counts: sandboxes created, resets, quarantines, infra errors."""

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from sandpool.core import errors
+from sandpool.core.classify import Verdict, classify
 from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
 
@@ -79,7 +80,7 @@ class Session:
         task: The task the session runs.
         lease: The leased sandbox (released once the session leaves ``ACTIVE``).
         state: Where the session is in its lifecycle.
-        error: The infra error that failed or expired the session.
+        error: The error (infra, by the classifier) that failed or expired the session.
         last_used: ``time.monotonic()`` of the end of the last request, in seconds.
     """
 
@@ -87,7 +88,7 @@ class Session:
     task: Task
     lease: Lease
     state: SessionState = SessionState.ACTIVE
-    error: errors.InfraError | None = None
+    error: Exception | None = None
     last_used: float = 0.0
 
 
@@ -231,8 +232,9 @@ class SessionTable:
     async def use(self, session_id: str, *, release_after: bool = False) -> AsyncIterator[Session]:
         """Hold the session for one request; requests on one session run one at a time.
 
-        An :class:`~sandpool.core.errors.InfraError` inside the block fails the session: its
-        sandbox is released for deletion and the error is kept for later requests.
+        An error inside the block that :func:`sandpool.core.classify.classify` places as infra
+        fails the session: its sandbox is released for deletion and the error is kept for
+        later requests. The policy's own errors (and the input's) leave the session active.
 
         Args:
             session_id: The session.
@@ -249,10 +251,13 @@ class SessionTable:
             session = self._check(session_id)
             try:
                 yield session
-            except errors.InfraError as exc:
-                await self._fail(session, exc)
+            except Exception as exc:
+                if classify(exc) is Verdict.INFRA:
+                    await self._fail(session, exc)
+                elif release_after:
+                    await self._release(session, SessionState.CLOSED)
                 raise
-            except BaseException:
+            except BaseException:  # cancelled: the sandbox goes back, reset in place
                 if release_after:
                     await self._release(session, SessionState.CLOSED)
                 raise
@@ -262,7 +267,7 @@ class SessionTable:
             finally:
                 session.last_used = self._clock()
 
-    async def _fail(self, session: Session, exc: errors.InfraError) -> None:
+    async def _fail(self, session: Session, exc: Exception) -> None:
         if session.state is not SessionState.ACTIVE:
             return
         session.state = SessionState.FAILED
