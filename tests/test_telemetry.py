@@ -153,3 +153,88 @@ async def test_rollout_span_parents_claim_exec_grade_and_reset(exporter, test_im
     creates = [s for s in spans if s.name == "sandpool.create"]
     assert creates and all(s.parent is None for s in creates)
     assert all(s.parent is None or s.parent.span_id in by_id for s in spans)
+
+
+def test_gymnasium_env_records_into_the_same_pool_series(test_images_root, calc_task):
+    import gymnasium as gym
+    from sandpool.integrations.gymnasium import BackgroundPool
+
+    registry = CollectorRegistry()
+    env = gym.make("sandpool/SWE-v0", tasks=[calc_task], grade_timeout=120.0,
+                   pool=BackgroundPool(backend_options={"images_root": str(test_images_root)},
+                                       metrics=registry))
+    try:
+        env.reset(options={"task_id": calc_task.instance_id})
+        env.unwrapped.write_file("/tmp/gold.patch", calc_task.patch)
+        env.step("git apply /tmp/gold.patch")
+        _, reward, *_ = env.step("submit")
+        report = env.unwrapped.report()
+    finally:
+        env.close()
+    labels = {"backend": "local", "strategy": "reuse"}
+    assert reward == 1.0
+    assert registry.get_sample_value("sandpool_rollouts_total", labels | {"outcome": "completed"}) == 1
+    assert registry.get_sample_value("sandpool_ttfc_seconds_count", labels) == report.ttfc.n == 1
+    assert sum(registry.get_sample_value("sandpool_claims_total", labels | {"warm": w}) or 0
+               for w in ("true", "false")) == report.pool.claims
+
+
+def test_grafana_dashboard_queries_only_series_the_pool_exports():
+    import json
+    import re
+    from pathlib import Path
+
+    registry = CollectorRegistry()
+    PoolMetrics(registry)
+    # Labelled series have no sample before their first event: take the names from the families.
+    exported = set()
+    for fam in registry.collect():
+        suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}.get(fam.type, ("",))
+        exported |= {fam.name + suffix for suffix in suffixes}
+    dash = json.loads((Path(__file__).parents[1] / "examples/grafana/sandpool-dashboard.json").read_text())
+    queried = {m for p in dash["panels"] for t in p["targets"]
+               for m in re.findall(r"sandpool_[a-z_]+", t["expr"])}
+    assert queried and queried <= exported, queried - exported
+    assert {"sandpool_ttfc_seconds_bucket", "sandpool_rollouts_total", "sandpool_sandboxes",
+            "sandpool_kube_api_retries_total"} <= queried
+
+
+async def test_kube_api_writes_and_retries_are_counted_by_verb_resource_and_status():
+    from aiohttp import web
+    from kubernetes_asyncio.client import ApiClient, Configuration
+
+    from sandpool.core.backends.kubernetes._http import KubeHttp, Throttle, resource_of
+    from sandpool.core.telemetry import Telemetry
+
+    answers = [429, 503]  # then 201 for every request
+
+    async def handler(request: web.Request) -> web.Response:
+        status = answers.pop(0) if answers else 201
+        return web.json_response({"code": status}, status=status, headers={"Retry-After": "0"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{port}"))
+    registry = CollectorRegistry()
+    try:
+        http = KubeHttp(client, Throttle(100, 100, 10), retries=3)
+        http.telemetry = Telemetry(PoolMetrics(registry), backend="kubernetes", strategy="reuse")
+        await http.request("POST", "/apis/agents.x-k8s.io/v1alpha1/namespaces/ns/sandboxclaims", body={})
+        await http.request("DELETE", "/api/v1/namespaces/ns/pods/p-1")
+        await http.request("GET", "/api/v1/namespaces/ns/pods")  # a read: not a write
+    finally:
+        await client.close()
+        await runner.cleanup()
+    get = registry.get_sample_value
+    assert get("sandpool_kube_api_writes_total", {"verb": "POST", "resource": "sandboxclaims"}) == 3
+    assert get("sandpool_kube_api_writes_total", {"verb": "DELETE", "resource": "pods"}) == 1
+    assert get("sandpool_kube_api_retries_total", {"status": "429"}) == 1
+    assert get("sandpool_kube_api_retries_total", {"status": "5xx"}) == 1
+    assert http.writes == 4 and http.retried == 2  # the same counts the report reads
+    assert resource_of("/api/v1/namespaces/ns/pods/p-1/exec") == "pods/exec"
+    assert resource_of("/api/v1/namespaces") == "namespaces"

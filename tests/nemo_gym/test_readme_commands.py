@@ -25,7 +25,12 @@ import pytest
 
 from nemo_gym.config_types import BaseServerConfig
 from nemo_gym.global_config import DEFAULT_HEAD_SERVER_PORT
-from nemo_gym.server_utils import ServerClient
+from nemo_gym.server_utils import (
+    GlobalAIOHTTPAsyncClientConfig,
+    ServerClient,
+    is_global_aiohttp_client_setup,
+    set_global_aiohttp_client,
+)
 from sandpool.core.task import Task
 from tests.nemo_gym.conftest import MAIN, SimpleAgentEpisode, wait_for_servers, row_for
 
@@ -100,6 +105,8 @@ async def test_nemo_gym_readme_install_and_run_serve_an_episode(tmp_path: Path, 
     head = BaseServerConfig(host="127.0.0.1", port=DEFAULT_HEAD_SERVER_PORT)
     try:
         await asyncio.to_thread(wait_for_servers, proc, head, [MAIN], log_path, 1500.0)
+        if not is_global_aiohttp_client_setup():  # as the server_client fixture does
+            set_global_aiohttp_client(GlobalAIOHTTPAsyncClientConfig())
         client = await asyncio.to_thread(ServerClient.load_from_global_config, head)
         task = pack_tasks[0]  # the shipped config serves the default task pack
         ep = SimpleAgentEpisode(client, MAIN, row_for(task))

@@ -155,6 +155,8 @@ class BackgroundPool:
         strategy: ``"cold"``, ``"warm"``, ``"reuse"`` or a :class:`Strategy` (ignored with ``pool``).
         limits: Pool limits (ignored with ``pool``).
         backend_options: Constructor arguments for a named backend, e.g. ``images_root``.
+        metrics: Prometheus series for the pool, as ``SandboxPool(metrics=...)`` takes them
+            (ignored with ``pool``: give that pool its own).
 
     Raises:
         BackendUnavailable: The backend's preflight failed (e.g. no bubblewrap; a kubeconfig
@@ -170,9 +172,11 @@ class BackgroundPool:
         strategy: str | Strategy = "reuse",
         limits: PoolLimits | None = None,
         backend_options: Mapping[str, Any] | None = None,
+        metrics: Any = None,
     ) -> None:
         if pool is None:
-            pool = SandboxPool(make_backend(backend, backend_options), strategy, limits or PoolLimits())
+            pool = SandboxPool(make_backend(backend, backend_options), strategy, limits or PoolLimits(),
+                               metrics=metrics)
         elif pool.state is not PoolState.UNOPENED:
             raise errors.ConfigError(
                 "BackgroundPool needs an unopened SandboxPool (an opened one belongs to the event "

@@ -410,6 +410,7 @@ class Session:
 
     def _record(self, outcome: Outcome, reward: float | None, error: Exception | None = None) -> None:
         assert self.task is not None
+        self.runner.pool.telemetry.rollout_done(outcome.value)
         self.runner.results.append(RolloutResult(
             task_id=self.task.instance_id, outcome=outcome, reward=reward, ttfc_s=self._ttfc,
             duration_s=time.monotonic() - self._t0, sandbox_id=self._sandbox_id,

@@ -24,6 +24,7 @@ import aiohttp
 from aiolimiter import AsyncLimiter
 
 from sandpool.core import errors
+from sandpool.core.telemetry import NO_METRICS, Telemetry
 from sandpool.core.backends.kubernetes._errors import RETRY_STATUSES, Channel, for_status, translate
 
 __all__ = ["KubeHttp", "Throttle", "backoff_delay", "parse_retry_after"]
@@ -95,6 +96,18 @@ class _Slot:
         self._t._inflight.release()
 
 
+def resource_of(path: str) -> str:
+    """The resource an API path names, for a metric label: ``pods``, ``sandboxclaims``,
+    ``pods/exec`` (a subresource); never a namespace or an object name."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]  # past /api/v1 or /apis/<group>/<v>
+    if rest[:1] == ["namespaces"] and len(rest) >= 3:
+        rest = rest[2:]
+    if not rest:
+        return "unknown"
+    return f"{rest[0]}/{rest[2]}" if len(rest) >= 3 else rest[0]
+
+
 class KubeHttp:
     """REST, watch and exec requests to one kube-apiserver.
 
@@ -123,6 +136,7 @@ class KubeHttp:
         self.reads = 0  #: read requests sent
         self.execs = 0  #: exec streams opened
         self.retried = 0  #: attempts that were retried
+        self.telemetry: Telemetry = NO_METRICS  #: the pool's series (writes, retries)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -176,11 +190,12 @@ class KubeHttp:
         attempt = 0
         while True:
             attempt += 1
-            retry_after = None
+            retry_after = status = None
             try:
                 async with self.throttle.slot(write=write):
                     if write:
                         self.writes += 1
+                        self.telemetry.api_write(method, resource_of(path))
                     else:
                         self.reads += 1
                     headers = await self.headers()
@@ -218,6 +233,7 @@ class KubeHttp:
             except Exception as exc:  # noqa: BLE001 - translated at this one boundary
                 raise translate(exc, what) from exc
             self.retried += 1
+            self.telemetry.api_retry(status)
             await asyncio.sleep(backoff_delay(attempt, retry_after=retry_after))
 
     async def watch(self, path: str, query: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:

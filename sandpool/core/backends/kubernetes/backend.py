@@ -248,6 +248,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
                 cfg.connection_pool_maxsize = 0  # unbounded sockets: the Throttle bounds REST
                 self._client = ApiClient(configuration=cfg)
                 self._http = KubeHttp(self._client, self.throttle)
+                self._http.telemetry = self.telemetry  # the pool's (set when it took this backend)
         return self._http
 
     async def _ensure_watches(self) -> None:
