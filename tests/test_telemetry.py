@@ -238,3 +238,38 @@ async def test_kube_api_writes_and_retries_are_counted_by_verb_resource_and_stat
     assert http.writes == 4 and http.retried == 2  # the same counts the report reads
     assert resource_of("/api/v1/namespaces/ns/pods/p-1/exec") == "pods/exec"
     assert resource_of("/api/v1/namespaces") == "namespaces"
+
+
+def test_sandpool_run_serves_metrics_while_it_runs(tmp_path):
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.error
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "sandpool.cli", "run", "--limit", "1", "--rollouts", "2",
+           "--concurrency", "1", "--metrics-port", str(port), "--out", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = None
+    try:
+        while proc.poll() is None:  # the endpoint itself is the event: scrape until it counts
+            try:
+                got = scrape(f"http://127.0.0.1:{port}/metrics")
+            except (urllib.error.URLError, ConnectionError):
+                continue
+            if total(got, "sandpool_claims_total") >= 1:
+                seen = got
+                break
+            time.sleep(0.05)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert seen is not None, "the run ended before its endpoint counted a claim"
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert 1 <= total(seen, "sandpool_claims_total") <= report["pool"]["claims"] == 2
