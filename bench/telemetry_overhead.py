@@ -39,7 +39,7 @@ from sandpool.core.task import Task  # noqa: E402
 SETTINGS = ("off", "metrics", "metrics+spans")
 
 
-def _backend(kind: str):
+async def _backend(kind: str):
     if kind == "memory":
         from tests.memory_backend import MemoryBackend
 
@@ -47,15 +47,15 @@ def _backend(kind: str):
                     problem_statement="p")
         return MemoryBackend(), task
     from sandpool.core.backends.local import LocalBackend
-    from sandpool.envs.taskpack import build_default_pack
+    from sandpool.envs.taskpack import abuild_default_pack
     from sandpool.envs.tasks import load_tasks
 
-    return LocalBackend(), load_tasks(build_default_pack())[0]
+    return LocalBackend(), load_tasks(await abuild_default_pack())[0]
 
 
 async def _claims(kind: str, metrics: bool, n: int, exporter: InMemorySpanExporter) -> list[float]:
     """Claim ``n`` times from a warm pool of one image; return each claim's latency, seconds."""
-    backend, task = _backend(kind)
+    backend, task = await _backend(kind)
     samples = []
     async with SandboxPool(backend, "reuse", metrics=CollectorRegistry() if metrics else None) as pool:
         await pool.prepare([task], concurrency=1)
