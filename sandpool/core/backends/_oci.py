@@ -150,9 +150,11 @@ def prepare_host(run_id: str, agent: Path) -> Path:
         os.chmod(p, 0o755)
     prefix, _ = host_python()
     (host / "python").mkdir(exist_ok=True)
-    (host / "agent.py").touch()
     bind_ro(prefix, host / "python")
-    bind_ro(agent, host / "agent.py")
+    # A copy, not a bind: a bind pins the file's inode, and replacing the source file (a
+    # checkout, an upgrade) would break every later sandbox start of this run.
+    shutil.copyfile(agent, host / "agent.py")
+    os.chmod(host / "agent.py", 0o444)
     return pub
 
 
@@ -181,8 +183,7 @@ def release_host(pub: Path) -> None:
         if child.name.startswith("img-"):
             umount(child)
         elif child.name == "host":
-            for leaf in ("python", "agent.py"):
-                umount(child / leaf)
+            umount(child / "python")
         else:
             umount(child / "root")
     shutil.rmtree(pub, ignore_errors=True)
