@@ -262,3 +262,19 @@ async def test_a_listed_test_file_missing_at_base_and_not_added_is_a_broken_task
     await sb.write_file("test_gone.py", b"def test_x():\n    pass\n")  # the policy cannot supply it
     with pytest.raises(errors.BrokenTaskError, match="test_gone.py"):
         await grade(sb, task, timeout=120)
+
+
+async def test_a_file_the_test_patch_modifies_that_the_policy_deleted_is_reset_from_base_first(
+        local_backend, calc_task):
+    # SWE-bench resets every file the test patch modifies from base_commit before applying it
+    # (get_modified_files), so the policy deleting one does not keep the patch from applying.
+    task = calc_task.model_copy(update={"test_patch": _RENAME.replace("tests_moved.py", "test_calc.py")
+                                        .replace("similarity index 80%\nrename from test_calc.py\n"
+                                                 "rename to test_calc.py\n", ""),
+                                        "FAIL_TO_PASS": ("test_calc.py::test_add", "test_calc.py::test_two")})
+    sb = await _at_base(local_backend, task)
+    await _apply(sb, task.patch)
+    assert (await sb.exec("rm test_calc.py", timeout=10)).ok
+    result = await grade(sb, task, timeout=120)
+    assert (result.reward, result.error) == (1.0, None), result.log[-1500:]
+    assert "restored test_calc.py" in result.neutralised
