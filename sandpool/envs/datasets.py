@@ -32,7 +32,8 @@ from pathlib import Path
 
 from sandpool.core.errors import InputError, TaskValidationError
 
-__all__ = ["FORMATS", "detect_format", "read_rows", "row_to_task_fields"]
+__all__ = ["FORMATS", "ResolveBase", "detect_format", "r2e_gold_patch", "read_rows", "row_to_task_fields",
+           "swebench_image"]
 
 FORMATS = ("swebench", "r2e-gym", "swe-smith", "sandpool")
 ResolveBase = Callable[[str, str], "str | None"]
