@@ -374,3 +374,44 @@ async def test_an_unusable_kubeconfig_names_its_path(tmp_path):
     with pytest.raises(errors.BackendUnavailable, match=f"loading kubeconfig {bad}"):
         await backend.preflight()
     await backend.aclose()
+
+
+def test_placement_fits_each_window_in_the_node_disks_and_pipelines_when_the_corpus_does_not_fit():
+    from sandpool.core.backends.kubernetes._placement import NodeCapacity, plan
+
+    nodes = [NodeCapacity(f"n{i}", 10e9, 110) for i in range(3)]
+    sizes = {f"img{i}": 2e9 + i * 1e8 for i in range(30)}  # 63.5 GB > 30 GB of disk
+    p = plan(list(sizes), sizes, nodes, slots_per_image=4)
+    assert p.fraction == 0.5 and len(p.windows) > 1
+    assert sorted(img for w in p.windows for img in w) == sorted(sizes)  # each image once
+    for w in p.windows:
+        for n in nodes:
+            on = [img for img, node in w.items() if node == n.name]
+            assert sum(sizes[i] for i in on) <= n.disk_bytes * 0.5  # room for the next window
+    order = [img for w in p.windows for img in w]
+    assert order == list(sizes)  # windows follow rollout order
+    assert "window 1" in p.describe() and p.as_dict()["windows"] == p.windows
+
+    small = {k: sizes[k] for k in list(sizes)[:6]}
+    one = plan(list(small), small, nodes)
+    assert len(one.windows) == 1 and one.fraction == 1.0
+    assert {n for n in one.windows[0].values()} == {"n0", "n1", "n2"}  # spread by free disk
+
+
+def test_placement_refuses_an_image_no_node_can_hold():
+    from sandpool.core.backends.kubernetes._placement import NodeCapacity, plan
+
+    with pytest.raises(errors.ConfigError, match="fits on no node"):
+        plan(["big", "b2", "b3"], {"big": 8e9, "b2": 8e9, "b3": 8e9},
+             [NodeCapacity("n0", 10e9, 110)])
+    with pytest.raises(errors.ConfigError, match="no size"):
+        plan(["x"], {}, [NodeCapacity("n0", 10e9, 110)])
+
+
+def test_template_pods_require_their_planned_node():
+    spec = m.pod_spec(m.PodImage("x:1"), container="c", command=["sleep"], resources={},
+                      runtime_class=None, node_selector=None, tolerations=None, node="kwok-node-3")
+    term = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["nodeSelectorTerms"][0]["matchExpressions"] == [
+        {"key": "kubernetes.io/hostname", "operator": "In", "values": ["kwok-node-3"]}
+    ]

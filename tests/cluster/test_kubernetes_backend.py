@@ -178,8 +178,11 @@ async def test_agent_session_carries_every_command_of_a_sandbox_over_one_exec_st
             assert [r.text for r in results] == [f"{i}\n" for i in range(50)]
             await lease.write_file("f.txt", b"x")
             assert await lease.read_file("f.txt") == b"x"
-            await lease.exec("sleep 300 &")
-            assert await lease.sandbox.processes() == ["sleep 300"]  # the pod's, not the host's
+            await lease.exec("exec sleep 300 &")
+            procs = await lease.sandbox.processes()
+            while procs != ["sleep 300"]:  # the forked child has not exec'd sleep yet
+                assert len(procs) == 1, procs  # the pod's one process, never the host's
+                procs = await lease.sandbox.processes()
             assert await lease.sandbox.kill_strays() == 1
             assert be.api_stats["execs"] == streams == 1  # the session's one stream, nothing else
 
@@ -300,6 +303,7 @@ async def test_gc_removes_only_its_own_runs_objects(cluster, namespace, repo):
         )  # its warm one and its claimed one
         assert await gc(mine.run_id, kubeconfig=cluster.kubeconfig, namespace=namespace) == {
             "sandboxclaims": 0,
+            "sandboxes": 0,
             "sandboxwarmpools": 0,
             "sandboxtemplates": 0,
             "pods": 0,
@@ -506,3 +510,37 @@ async def test_preflight_warns_when_the_controller_has_the_warm_pool_over_creati
     finally:
         await be.aclose()
     assert not [r for r in caplog.records if "issue 1215" in r.getMessage()]
+
+
+async def test_placement_prepulls_each_image_onto_its_planned_node_and_steers_its_sandboxes_there(
+    cluster, namespace, repo
+):
+    path, first, _ = repo
+    be = backend(cluster, namespace, path, sandbox_objects=True, delete_batch_s=0.2)
+    images = [f"sandpool.test/placed-{i}:{be.run_id}" for i in range(4)]
+    sizes = {img: 2e9 for img in images}
+    try:
+        plan = await be.place(images, sizes, node_disk_bytes=5e9)  # 2 images per node at most
+        assert sorted(plan.node_of) == sorted(images)
+        assert "window 0" in plan.describe()
+        stats = await be.prepull(plan.windows[0], name="w0")
+        assert stats["images"] == len(plan.windows[0])
+        assert pods_of(cluster, namespace, be.run_id) == []  # prepull pods deleted at once
+        tasks = [make_task(img, first, i) for i, img in enumerate(plan.windows[0])]
+        async with SandboxPool(be, "reuse") as pool:
+            await pool.prepare(tasks, concurrency=len(tasks))
+            for task in tasks:
+                async with pool.claim(task) as lease:
+                    pod = cluster.core.read_namespaced_pod(lease.sandbox.pod, namespace)
+                    assert pod.spec.node_name == plan.node_of[task.image]
+                    # prepulled: the sandbox's pod found its image on the node
+                    assert pod.metadata.annotations["sandpool.io/image-cache"] == "hit"
+                    assert lease.sandbox.owner[0] == "sandboxes"
+            assert custom(cluster, namespace, "sandboxclaims", be.run_id) == []
+            assert custom(cluster, namespace, "sandboxtemplates", be.run_id) == []
+        writes = be.api_stats["writes_by"]
+        assert writes["POST sandboxes"] == len(tasks)  # one write per held sandbox
+        assert "DELETE sandboxes/x" not in writes  # deletes went out batched by label
+    finally:
+        await be.aclose()
+    await eventually(lambda: not pods_of(cluster, namespace, be.run_id), 30, "pods deleted")

@@ -42,12 +42,21 @@ class ClaimsMixin:
     async def hydrate(self: KubernetesBackend, image: str) -> None:
         """Validate ``image`` and (agent-sandbox mode) create its SandboxTemplate once.
 
+        With ``sandbox_objects`` the template is made only when a warm pool needs it (a
+        reusing strategy's Sandbox objects carry their pod template themselves).
+
         Raises:
             ImageNotFound: See :meth:`pod_image`.
             BackendUnavailable, ApiError, ConfigError: The template could not be created.
         """
+        self.pod_image(image)
+        if self.mode != "agent-sandbox" or self.sandbox_objects:
+            return
+        await self._ensure_template(image)
+
+    async def _ensure_template(self: KubernetesBackend, image: str) -> None:
         pi = self.pod_image(image)
-        if self.mode != "agent-sandbox" or image in self._templates:
+        if image in self._templates:
             return
         http = await self._ensure_client()
         name = self._obj_name(image)
@@ -55,13 +64,13 @@ class ClaimsMixin:
             "POST",
             ns_path(self.namespace, m.TEMPLATE),
             ok_exists=True,
-            body=m.template(name, self.run_id, image, pi, self._pod_spec(pi)),
+            body=m.template(name, self.run_id, image, pi, self._pod_spec(pi, image)),
         )
         self._templates[image] = name
 
     async def _ensure_pool(self: KubernetesBackend, image: str, replicas: int | None) -> str:
         """Create the image's SandboxWarmPool, or patch its replicas when they change."""
-        await self.hydrate(image)
+        await self._ensure_template(image)
         http = await self._ensure_client()
         lock = self._pool_locks.setdefault(image, asyncio.Lock())
         async with lock:
@@ -93,9 +102,14 @@ class ClaimsMixin:
         and each claim takes one (returns 0: the pool claims per rollout); with reuse the pool
         holds ``n`` claimed sandboxes across rollouts (returns ``n``) and the SandboxWarmPool
         keeps only ``reuse_spares`` spares, so no pod is made that is never used.
-        pods mode: the pool keeps ``n`` warm pods itself (returns ``n``).
+        pods mode: the pool keeps ``n`` warm pods itself (returns ``n``). With reuse and
+        ``sandbox_objects``, the pool's ``n`` sandboxes are Sandbox objects (one write each:
+        no template, warm pool or claim) and nothing is made here.
         """
         if self.mode == "pods":
+            return n
+        if reuse and self.sandbox_objects:
+            self._direct.add(image)
             return n
         await self._ensure_pool(image, min(self.reuse_spares, n) if reuse else n)
         return n if reuse else 0
@@ -149,9 +163,30 @@ class ClaimsMixin:
         )
         try:
             sandbox_name = await self._await_claim(claim_name)
-            return await self._await_pod(image, sandbox_name, claim_name, claim_name)
+            return await self._await_pod(
+                image, sandbox_name, claim_name, claim_name, owner=(m.CLAIM, claim_name)
+            )
         except BaseException:
             await self._delete_object(m.CLAIM, claim_name)
+            raise
+
+    async def _create_sandbox_object(
+        self: KubernetesBackend, image: str, n: int
+    ) -> KubernetesSandbox:
+        """Create Sandbox ``sp-<run>-s<n>`` (the controller makes its pod of the same name);
+        return it once its pod is Ready."""
+        http = await self._ensure_client()
+        name = f"sp-{self.run_id}-s{n}"
+        pi = self.pod_image(image)
+        await http.request(
+            "POST",
+            ns_path(self.namespace, m.SANDBOX),
+            body=m.sandbox(name, self.run_id, image, pi, self._pod_spec(pi, image)),
+        )
+        try:
+            return await self._await_pod(image, name, name, None, owner=(m.SANDBOX, name))
+        except BaseException:
+            await self._delete_object(m.SANDBOX, name)
             raise
 
     async def _await_claim(self: KubernetesBackend, claim_name: str) -> str:

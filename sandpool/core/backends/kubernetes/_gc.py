@@ -10,14 +10,15 @@ from sandpool.core.backends.kubernetes._manifests import ns_path
 
 __all__ = ["delete_run", "gc"]
 
-_GC_ORDER = (m.CLAIM, m.WARMPOOL, m.TEMPLATE, "pods")
+_GC_ORDER = (m.CLAIM, m.SANDBOX, m.WARMPOOL, m.TEMPLATE, "pods")
 
 
 async def delete_run(http: KubeHttp, namespace: str, run_id: str) -> dict[str, int]:
     """Delete every object labelled ``sandpool.io/run-id=<run_id>`` in ``namespace``.
 
-    One list and one ``deletecollection`` per resource: claims first (their sandboxes and
-    pods follow by owner references), then warm pools, templates and plain pods.
+    One list and one ``deletecollection`` per resource: claims and Sandbox objects first
+    (their sandboxes and pods follow by owner references), then warm pools, templates and
+    plain pods (prepull pods included).
 
     Returns:
         Objects found per resource.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 from urllib.parse import urlencode
@@ -30,8 +31,6 @@ from sandpool.core.backends.kubernetes._errors import RETRY_STATUSES, Channel, f
 __all__ = ["KubeHttp", "Throttle", "backoff_delay", "parse_retry_after"]
 
 _WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-
-
 def parse_retry_after(value: str | None, *, cap: float = 30.0) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (delta-seconds form), capped; else None."""
     if not value:
@@ -108,6 +107,16 @@ def resource_of(path: str) -> str:
     return f"{rest[0]}/{rest[2]}" if len(rest) >= 3 else rest[0]
 
 
+def _write_key(method: str, path: str) -> str:
+    """``"VERB resource"`` of a write, with ``/x`` when the path names one object (so a
+    collection delete and per-object deletes are told apart)."""
+    parts = [p for p in path.split("?")[0].split("/") if p]
+    rest = parts[2:] if parts[:1] == ["api"] else parts[3:]
+    if rest[:1] == ["namespaces"] and len(rest) >= 3:
+        rest = rest[2:]
+    return f"{method} {resource_of(path)}{'/x' if len(rest) == 2 else ''}"
+
+
 class KubeHttp:
     """REST, watch and exec requests to one kube-apiserver.
 
@@ -133,6 +142,8 @@ class KubeHttp:
         self.retries = retries
         self.request_timeout = request_timeout
         self.writes = 0  #: write requests sent (every attempt counts)
+        #: writes by "VERB resource" (the path's resource segment; "/x" for one object)
+        self.writes_by: Counter[str] = Counter()
         self.reads = 0  #: read requests sent
         self.execs = 0  #: exec streams opened
         self.retried = 0  #: attempts that were retried
@@ -196,6 +207,7 @@ class KubeHttp:
                     if write:
                         self.writes += 1
                         self.telemetry.api_write(method, resource_of(path))
+                        self.writes_by[_write_key(method, path)] += 1
                     else:
                         self.reads += 1
                     headers = await self.headers()

@@ -47,6 +47,11 @@ WORKDIR_SOURCE = "sandpool.io/workdir-source"
 #: The provisioner's annotation with the pod's workdir on the node host (kwok).
 HOST_WORKDIR = "sandpool.io/workdir"
 PROVISION_ERROR = "sandpool.io/provision-error"
+#: Per-object label: deletes of many objects are batched as one collection delete with
+#: ``sandpool.io/obj in (...)``.
+OBJ_LABEL = "sandpool.io/obj"
+PREPULL_LABEL = "sandpool.io/prepull"
+HOSTNAME = "kubernetes.io/hostname"
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,12 @@ def pod_spec(
     runtime_class: str | None,
     node_selector: Mapping[str, str] | None,
     tolerations: Sequence[Mapping[str, Any]] | None,
+    node: str | None = None,
 ) -> dict[str, Any]:
-    """The PodSpec shared by templates and plain pods: one long-sleeping container."""
+    """The PodSpec shared by templates and plain pods: one long-sleeping container.
+
+    ``node`` (from the placement plan) adds a required node affinity to that
+    ``kubernetes.io/hostname``, so the image's sandboxes run where it was prepulled."""
     spec: dict[str, Any] = {
         "containers": [
             {
@@ -123,6 +132,12 @@ def pod_spec(
         spec["nodeSelector"] = dict(node_selector)
     if tolerations:
         spec["tolerations"] = [dict(t) for t in tolerations]
+    if node:
+        spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [
+                {"key": HOSTNAME, "operator": "In", "values": [node]}
+            ]}]
+        }}}
     return spec
 
 
@@ -165,7 +180,7 @@ def claim(name: str, run_id: str, image: str, pool_name: str) -> dict[str, Any]:
     return {
         "apiVersion": f"{EXT_GROUP}/{VERSION}",
         "kind": "SandboxClaim",
-        "metadata": {"name": name, "labels": labels(run_id, image)},
+        "metadata": {"name": name, "labels": {**labels(run_id, image), OBJ_LABEL: name}},
         "spec": {"warmPoolRef": {"name": pool_name}},
     }
 
@@ -173,7 +188,51 @@ def claim(name: str, run_id: str, image: str, pool_name: str) -> dict[str, Any]:
 def pod(name: str, run_id: str, image: str, pi: PodImage, spec: dict[str, Any]) -> dict[str, Any]:
     """A plain Pod for one rollout (the ``pods`` mode)."""
     meta = _pod_meta(run_id, image, pi)
+    meta["labels"][OBJ_LABEL] = name
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, **meta}, "spec": spec}
+
+
+def sandbox(
+    name: str, run_id: str, image: str, pi: PodImage, spec: dict[str, Any]
+) -> dict[str, Any]:
+    """An agent-sandbox core Sandbox (mirrors v1beta1 Sandbox: ``spec.podTemplate``) for one
+    sandbox: the controller creates its pod, named like it. No Service of its own."""
+    return {
+        "apiVersion": f"{CORE_GROUP}/{VERSION}",
+        "kind": "Sandbox",
+        "metadata": {"name": name, "labels": {**labels(run_id, image), OBJ_LABEL: name}},
+        "spec": {
+            "podTemplate": {"metadata": _pod_meta(run_id, image, pi), "spec": spec},
+            "service": False,
+        },
+    }
+
+
+def prepull_pod(
+    name: str, run_id: str, window: str, node: str, images: Sequence[str],
+    tolerations: Sequence[Mapping[str, Any]] | None, runtime_class: str | None,
+) -> dict[str, Any]:
+    """One pod on ``node`` with a container per image of ``images`` (each exits at once):
+    the kubelet pulls them all; the pod is deleted once it ran (or is Ready, on kwok)."""
+    spec: dict[str, Any] = {
+        "nodeName": node,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 0,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "containers": [
+            {"name": f"i{i}", "image": img, "command": ["sh", "-c", "exit 0"],
+             "resources": {"requests": {"cpu": "1m", "memory": "1Mi"}}}
+            for i, img in enumerate(images)
+        ],
+    }
+    if tolerations:
+        spec["tolerations"] = [dict(t) for t in tolerations]
+    if runtime_class:
+        spec["runtimeClassName"] = runtime_class
+    lab = {**labels(run_id), PREPULL_LABEL: window}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": lab},
+            "spec": spec}
 
 
 def ns_path(namespace: str, resource: str) -> str:
@@ -181,4 +240,5 @@ def ns_path(namespace: str, resource: str) -> str:
     ``namespace``."""
     if resource == "pods":
         return f"/api/v1/namespaces/{namespace}/pods"
-    return f"/apis/{EXT_GROUP}/{VERSION}/namespaces/{namespace}/{resource}"
+    group = CORE_GROUP if resource == SANDBOX else EXT_GROUP
+    return f"/apis/{group}/{VERSION}/namespaces/{namespace}/{resource}"

@@ -7,6 +7,7 @@ client, pod watch and image map); it is split out so each seam reads on its own.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import Mapping
@@ -112,17 +113,25 @@ class PodsMixin:
         await http.request(
             "POST",
             ns_path(self.namespace, "pods"),
-            body=m.pod(pod_name, self.run_id, image, pi, self._pod_spec(pi)),
+            body=m.pod(pod_name, self.run_id, image, pi, self._pod_spec(pi, image)),
         )
         try:
-            return await self._await_pod(image, pod_name, pod_name, None)
+            return await self._await_pod(image, pod_name, pod_name, None, owner=("pods", pod_name))
         except BaseException:
             await self._delete_object("pods", pod_name)
             raise
 
     async def _await_pod(
-        self: KubernetesBackend, image: str, pod_name: str, sid: str, claim: str | None
+        self: KubernetesBackend,
+        image: str,
+        pod_name: str,
+        sid: str,
+        claim: str | None,
+        *,
+        owner: tuple[str, str],
     ) -> KubernetesSandbox:
+        """Wait for ``pod_name`` to be Ready; return its sandbox, deleted later through
+        ``owner`` (resource, name: the claim, Sandbox object or pod)."""
         assert self._pods is not None
 
         def check(pod: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -161,6 +170,7 @@ class PodsMixin:
             self, target.sandbox_id, image, target, pod["metadata"]["uid"], claim
         )
         sb.head = pi.head
+        sb.owner = owner
         self._live[sb.id] = sb
         self._by_pod[pod_name] = sb
         if why := pod_death(self._pods.get(pod_name), sb.pod_uid):
@@ -191,6 +201,13 @@ class PodsMixin:
         sb.protocol = session.protocol
 
     async def _delete_object(self: KubernetesBackend, resource: str, name: str) -> None:
+        """Delete one object now, or (``delete_batch_s``) with others of its resource in one
+        collection delete by ``sandpool.io/obj in (...)`` within that many seconds."""
+        if self.delete_batch_s is not None:
+            self._pending_deletes.setdefault(resource, set()).add(name)
+            if self._flusher is None or self._flusher.done():
+                self._flusher = asyncio.create_task(self._flush_deletes_later())
+            return
         http = await self._ensure_client()
         query = {"propagationPolicy": "Background"}
         if resource == "pods":
@@ -203,11 +220,36 @@ class PodsMixin:
                 ok_missing=True,
             )
         except errors.InfraError as exc:  # gc by run id removes what this could not
-            log.warning(
-                "deleting %s/%s failed: %s (sandpool gc --run-id %s removes it)",
-                resource,
-                name,
-                exc,
-                self.run_id,
-            )
+            self._log_delete_failure(resource, name, exc)
 
+    def _log_delete_failure(self: KubernetesBackend, resource: str, name: str, exc: Exception) -> None:
+        log.warning(
+            "deleting %s/%s failed: %s (sandpool gc --run-id %s removes it)",
+            resource, name, exc, self.run_id,
+        )
+
+    async def _flush_deletes_later(self: KubernetesBackend) -> None:
+        await asyncio.sleep(self.delete_batch_s or 0)
+        await self._flush_deletes()
+
+    async def _flush_deletes(self: KubernetesBackend) -> None:
+        """Send every pending delete: one collection delete per resource per 100 names."""
+        pending, self._pending_deletes = self._pending_deletes, {}
+        http = await self._ensure_client()
+        for resource, names in pending.items():
+            ordered = sorted(names)
+            for i in range(0, len(ordered), 100):
+                chunk = ordered[i : i + 100]
+                query = {
+                    "labelSelector": f"{m.RUN_ID_LABEL}={self.run_id},"
+                    f"{m.OBJ_LABEL} in ({','.join(chunk)})",
+                    "propagationPolicy": "Background",
+                }
+                if resource == "pods":
+                    query["gracePeriodSeconds"] = "0"
+                try:
+                    await http.request(
+                        "DELETE", ns_path(self.namespace, resource), query=query, ok_missing=True
+                    )
+                except errors.InfraError as exc:
+                    self._log_delete_failure(resource, f"{{{len(chunk)} objects}}", exc)

@@ -154,6 +154,8 @@ class PreflightMixin:
             (m.CLAIM, ("create", "list", "watch", "delete", "deletecollection")),
         ):
             ext += [(v, m.EXT_GROUP, res, "") for v in verbs]
+        if self.sandbox_objects:
+            ext += [(v, m.CORE_GROUP, m.SANDBOX, "") for v in ("create", "delete", "deletecollection")]
         return core + ext
 
     async def _check_rbac(self: KubernetesBackend, http: KubeHttp) -> None:

@@ -82,6 +82,8 @@ class KubernetesSandbox(Sandbox):
         self._seq = itertools.count(1)
         self._dead: str | None = None
         self._session: AgentSession | None = None
+        #: (resource, name) deleted to end this sandbox: its claim, Sandbox object or pod.
+        self.owner: tuple[str, str] = ("pods", target.pod)
 
     @property
     def channel(self) -> str:

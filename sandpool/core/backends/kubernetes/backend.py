@@ -37,6 +37,7 @@ from sandpool.core.backends.kubernetes._http import KubeHttp, Throttle
 from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
 from sandpool.core.backends.kubernetes._pods import PodsMixin, pod_death
 from sandpool.core.backends.kubernetes._preflight import PreflightMixin
+from sandpool.core.backends.kubernetes._prepull import PlacementMixin
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._watch import Informer
 from sandpool.core.base import Backend, Sandbox
@@ -72,7 +73,7 @@ def kubeconfig_path() -> str:
     return str(Path(first or "~/.kube/config").expanduser())
 
 
-class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
+class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, Backend):
     """Creates sandboxes as pods on a Kubernetes cluster, through agent-sandbox or directly.
 
     Usage::
@@ -116,6 +117,12 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
             command (:mod:`._exec`).
         agent_python: The interpreter command that runs the agent in the image.
         agent_timeout: Seconds the agent may take to say it is ready before the fallback.
+        sandbox_objects: With a reusing strategy, make each held sandbox an agent-sandbox
+            Sandbox object (one write per sandbox) instead of a template, warm pool and claim
+            per image (three); see :meth:`set_warm_target`.
+        delete_batch_s: Batch deletes: a deleted sandbox's object is removed with the others
+            of the next ``delete_batch_s`` seconds in one collection delete (by the
+            per-object label ``sandpool.io/obj``); None deletes each at once.
     """
 
     name = "kubernetes"
@@ -145,6 +152,8 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         agent: bool = True,
         agent_python: str = "python3",
         agent_timeout: float = 30.0,
+        sandbox_objects: bool = False,
+        delete_batch_s: float | None = None,
     ) -> None:
         if mode not in _MODES:
             raise errors.ConfigError(f"mode={mode!r} is not known; use one of {list(_MODES)}")
@@ -174,6 +183,12 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         self.agent_timeout = agent_timeout
         self.agent_fallbacks = 0
         self._agent_unavailable: dict[str, str] = {}  # image -> why the agent cannot run
+        self.sandbox_objects = sandbox_objects
+        self.delete_batch_s = delete_batch_s
+        self._direct: set[str] = set()  # images whose sandboxes are Sandbox objects
+        self._pending_deletes: dict[str, set[str]] = {}  # resource -> names (batched)
+        self._flusher: asyncio.Task[None] | None = None
+        self._node_of: dict[str, str] = {}  # image -> node (placement: required affinity)
         self._http: KubeHttp | None = None  # type: ignore[assignment]
         self._client: Any = None
         self._start_lock = asyncio.Lock()
@@ -202,8 +217,9 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         return self._http.writes if self._http is not None else 0
 
     @property
-    def api_stats(self) -> dict[str, int]:
-        """Requests sent, by kind: writes, reads, exec streams, retries, in-flight peak."""
+    def api_stats(self) -> dict[str, Any]:
+        """Requests sent, by kind: writes (and ``writes_by`` verb and resource), reads, exec
+        streams, agent fallbacks, retries, in-flight peak."""
         h = self._http
         if h is None:
             return {}
@@ -214,6 +230,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
             "agent_fallbacks": self.agent_fallbacks,
             "retried": h.retried,
             "inflight_peak": self.throttle.inflight_peak,
+            "writes_by": dict(h.writes_by),
         }
 
     # -- client and watches ------------------------------------------------------------------
@@ -312,7 +329,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         self._images[image] = pi
         return pi
 
-    def _pod_spec(self, pi: PodImage) -> dict[str, Any]:
+    def _pod_spec(self, pi: PodImage, image: str | None = None) -> dict[str, Any]:
         return m.pod_spec(
             pi,
             container=self.container,
@@ -321,6 +338,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
             runtime_class=self.runtime_class,
             node_selector=self.node_selector,
             tolerations=self.tolerations,
+            node=self._node_of.get(image) if image is not None else None,
         )
 
     def _obj_name(self, image: str) -> str:
@@ -343,10 +361,13 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
         n = next(self._seq)
         if self.mode == "pods":
             return await self._create_pod(image, n)
+        if image in self._direct:
+            return await self._create_sandbox_object(image, n)
         return await self._create_claim(image, n)
 
     async def delete(self, sandbox: Sandbox) -> None:
-        """Delete the sandbox's SandboxClaim (the controller deletes its pod) or its pod.
+        """Delete the sandbox's SandboxClaim or Sandbox (the controller deletes its pod) or
+        its pod (at once, or batched: ``delete_batch_s``).
 
         Idempotent; never raises for a sandbox that is already gone, and logs (does not
         raise) an API failure, which ``sandpool gc --run-id`` cleans up later.
@@ -357,10 +378,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
             del self._by_pod[sandbox.pod]
         sandbox._mark_dead("deleted by sandpool")
         await sandbox._close_session()
-        if sandbox.claim is not None:
-            await self._delete_object(m.CLAIM, sandbox.claim)
-        else:
-            await self._delete_object("pods", sandbox.pod)
+        await self._delete_object(*sandbox.owner)
 
     async def aclose(self) -> None:
         """Delete everything this run made (by its run-id label) and close the client.
@@ -374,6 +392,8 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, Backend):
             for sb in live:
                 sb._mark_dead("backend closed")
             await asyncio.gather(*(sb._close_session() for sb in live))
+            if self._flusher is not None:
+                self._flusher.cancel()  # the delete by run id below removes what it held
             self._live.clear()
             self._by_pod.clear()
             if self._http is not None and self._http.writes:  # it may have created something
