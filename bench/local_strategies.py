@@ -14,7 +14,10 @@ images: cold start, warm and reuse TTFC, reset time and disk per image. Target: 
 within 1.5x of the current images', reuse TTFC unchanged.
 
 Reset mean and max are the in-place reset's time (restore + verification) per release under
-``reuse``; to compare two versions of the reset, run ``--strategies reuse`` on each.
+``reuse``. ``--reset-rounds N`` also times the reset next to its baseline (the git-level reset
+it replaced) on one sandbox per image, alternating after the same rollout (``bench/_reset_ab.py``):
+
+    .venv/bin/python bench/local_strategies.py --strategies reuse --reset-rounds 3
 
 Targets on a 2-core machine: warm TTFC p50 <= 20 ms; reuse max TTFC >= 10x below cold max;
 reuse creates no more sandboxes than the concurrency.
@@ -101,6 +104,8 @@ async def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("reports/bench"))
     ap.add_argument("--images", choices=("current", "oci"), default="current",
                     help="oci: also run on OCI images and compare")
+    ap.add_argument("--reset-rounds", type=int, default=0,
+                    help="also time the reset against its git-level baseline, N rounds per image")
     ap.add_argument("--strategies", default=",".join(STRATEGIES),
                     help="comma-separated subset of cold,warm,reuse (the targets need all three)")
     args = ap.parse_args()
@@ -120,6 +125,12 @@ async def main() -> None:
             f"{len({t.image for t in tasks})} images, concurrency {args.concurrency}")
     checks = verdicts(reports, args.concurrency) if len(reports) == len(STRATEGIES) else []
     text = "\n".join([head, table(reports), "", *checks])
+    if args.reset_rounds > 0:
+        from _reset_ab import compare, render
+
+        per_image = _spread(tasks, len({t.image for t in tasks}))
+        text += (f"\n\nin-place reset vs its baseline: {args.reset_rounds} rounds x "
+                 f"{len(per_image)} images\n" + render(await compare(per_image, args.reset_rounds)))
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "local_strategies.txt").write_text(text + "\n")

@@ -12,6 +12,7 @@ The repo is compared with the image's on the host, independently of the reset's 
 from __future__ import annotations
 
 import hashlib
+import shlex
 import os
 import stat
 import subprocess
@@ -233,3 +234,23 @@ async def test_repo_removed_by_the_policy_is_restored_in_place(test_images_root,
             res = await lease.exec(["git", "ls-files", "-s", "-v"])
             assert res.text == _host_git(calc_repo, "ls-files", "-s", "-v")
             assert (await lease.exec("git status --porcelain --ignored")).text == ""
+
+
+async def test_same_size_edit_with_restored_mtime_of_a_once_restored_file_is_caught(
+    test_images_root, calc_task, calc_repo
+):
+    # The first rollout's edit leaves a restored copy of calc.py in the upper layer; the
+    # second rewrites that copy with bytes of the same size and puts its mtime back.
+    original = (calc_repo / "calc.py").read_bytes()
+    forged = original.replace(b"a - b", b"a + b")
+    assert len(forged) == len(original) and forged != original
+    rollouts = ["echo x >> calc.py",
+                f"printf %s {shlex.quote(forged.decode())} > calc.py"
+                " && touch -r /opt/sandpool/image/calc.py calc.py"]
+    async with SandboxPool(LocalBackend(test_images_root), "reuse", PoolLimits(max_live=1)) as pool:
+        for cmd in rollouts:
+            async with pool.claim(calc_task) as lease:
+                assert (await lease.exec(cmd)).ok
+        async with pool.claim(calc_task) as lease:
+            assert pool.counters.resets == 2 and pool.counters.quarantines == 0
+            assert await lease.read_file("calc.py") == original

@@ -140,7 +140,8 @@ def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True) -> bool:
 
 
 def diff(lower: Path | str, upper: Path | str, under: str = "",
-         pinned: Mapping[str, str] | None = None) -> list[Change]:
+         pinned: Mapping[str, str] | None = None,
+         seen: dict[str, tuple[int, int, int]] | None = None) -> list[Change]:
     """List what differs between the merged view of ``lower`` + ``upper`` and ``lower``.
 
     Args:
@@ -150,6 +151,11 @@ def diff(lower: Path | str, upper: Path | str, under: str = "",
         pinned: Repo-relative file paths whose reference is not the lower layer's file but
             this host file (git's index after sandpool refreshed its stat cache on a verified
             tree); a pinned path must lie below a directory the upper layer does not replace.
+        seen: Per-sandbox memo of upper-layer files already found identical, by (inode,
+            ctime, size): a file restored once stays in the upper layer, and its bytes are
+            not compared again until it changes. Any write, chmod, xattr or utime moves a
+            file's ctime, which no process in the sandbox can set, so the memo cannot be
+            fooled from inside.
 
     Returns:
         The changes, sorted by path: ``replace`` for a path added, removed, or different;
@@ -158,11 +164,12 @@ def diff(lower: Path | str, upper: Path | str, under: str = "",
     lower, upper = str(lower), str(upper)
     out: list[Change] = []
     rel = under.strip("/")
-    _entry(lower, upper, rel, out, dict(pinned or {}))
+    _entry(lower, upper, rel, out, dict(pinned or {}), {} if seen is None else seen)
     return sorted(out)
 
 
-def _entry(lower: str, upper: str, rel: str, out: list[Change], pinned: dict[str, str]) -> None:
+def _entry(lower: str, upper: str, rel: str, out: list[Change], pinned: dict[str, str],
+           seen: dict[str, tuple[int, int, int]]) -> None:
     u = os.path.join(upper, rel) if rel else upper
     lo = pinned.get(rel) or (os.path.join(lower, rel) if rel else lower)
     ust = _lstat(u)
@@ -177,8 +184,14 @@ def _entry(lower: str, upper: str, rel: str, out: list[Change], pinned: dict[str
         out.append(Change(rel, "replace"))
         return
     if not (stat.S_ISDIR(ust.st_mode) and stat.S_ISDIR(lst.st_mode)):
+        key = (ust.st_ino, ust.st_ctime_ns, ust.st_size)
+        if rel not in pinned and seen.get(rel) == key:
+            return
+        seen.pop(rel, None)
         if not _same_leaf(u, ust, lo, lst):
             out.append(Change(rel, "replace"))
+        elif rel not in pinned:
+            seen[rel] = key
         return
     if _opaque(u):  # the policy removed and recreated it: the whole lower dir is hidden
         if not tree_equal(u, lo):
@@ -189,7 +202,7 @@ def _entry(lower: str, upper: str, rel: str, out: list[Change], pinned: dict[str
     with os.scandir(u) as it:
         names = sorted(e.name for e in it)
     for name in names:
-        _entry(lower, upper, f"{rel}/{name}" if rel else name, out, pinned)
+        _entry(lower, upper, f"{rel}/{name}" if rel else name, out, pinned, seen)
     for p in pinned:  # a pinned file absent from the upper layer shows the lower's: not pinned
         if os.path.dirname(p) == rel and os.path.basename(p) not in names:
             out.append(Change(p, "replace"))

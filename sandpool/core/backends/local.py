@@ -115,6 +115,7 @@ class LocalSandbox(Sandbox):
         self._lower: str | None = None if isinstance(image, OciImage) else image.repo
         self._image_in_sandbox = _IMAGE_IN_SANDBOX
         self._pins: dict[str, Path] = {}  # repo path -> host copy of its pinned pristine bytes
+        self._seen: dict[str, tuple[int, int, int]] = {}  # see _overlay.diff
         self.workdir = image.repo_dir if isinstance(image, OciImage) else image.workdir
         self.head = image.head
         self.state_dir = state_dir
@@ -341,7 +342,7 @@ class LocalSandbox(Sandbox):
         prefix = under.strip("/")
         pins = {r: str(p) for r, p in self._pins.items()
                 if not prefix or r == prefix or r.startswith(prefix + "/")}
-        changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins)
+        changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
         # A pin holds only below a directory the rollout left in place; where it replaced one
         # (``rm -rf .git``), the image's own file is the reference again until re-pinned.
         dropped = {r for r in pins for c in changes
@@ -350,7 +351,7 @@ class LocalSandbox(Sandbox):
             for r in dropped:
                 pins.pop(r)
                 self._pins.pop(r, None)
-            changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins)
+            changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
         if not changes:
             return []
         pinned = {}
@@ -361,7 +362,7 @@ class LocalSandbox(Sandbox):
                                   "mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
         msg = await self._call("restore", timeout, root=self.workdir, image=self._image_in_sandbox,
                                changes=[[c.path, c.kind] for c in changes], pinned=pinned)
-        left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins)
+        left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
         return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
             f"restore failed: {m}" for m in msg.get("failed", [])][:20]
 
