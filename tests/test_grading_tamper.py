@@ -223,3 +223,48 @@ async def test_startup_files_planted_in_a_writable_site_directory_are_neutralise
     for name in ("evil.pth", "usercustomize.py", "evil-1.0.dist-info/entry_points.txt"):
         assert f"neutralised {site}/{name}" in result.neutralised, result.neutralised
         assert (await sb.exec(f"test -e {site}/{name}", timeout=10)).exit_code == 1
+
+
+# -- an older pytest, as SWE-bench-era environments carry -----------------------------------------
+
+OLD_PYTEST_IMAGE = "sandpool.test/calc-pytest7:1"
+
+
+@pytest.fixture(scope="session")
+def old_pytest_image(test_images_root, calc_task) -> str:
+    """The calc repo with a venv holding pytest 7.4.4 (built once per machine)."""
+    import json as _json
+    import subprocess as _sp
+    import sys as _sys
+
+    from sandpool.core.backends.local import image_dir
+
+    d = image_dir(test_images_root, OLD_PYTEST_IMAGE)
+    if not (d / "image.json").exists():
+        _sp.run(["rm", "-rf", str(d)], check=True)
+        venv = d / "venv"
+        _sp.run([_sys.executable, "-m", "venv", str(venv)], check=True)
+        _sp.run([str(venv / "bin" / "pip"), "install", "-q", "pytest==7.4.4"], check=True)
+        calc = _json.loads((image_dir(test_images_root, calc_task.image) / "image.json").read_text())
+        (d / "image.json").write_text(_json.dumps({**calc, "name": OLD_PYTEST_IMAGE, "venv": str(venv)}))
+    return OLD_PYTEST_IMAGE
+
+
+async def test_the_signed_report_works_and_catches_forgery_under_pytest_7(local_backend, calc_task, old_pytest_image):
+    task = calc_task.model_copy(update={"image": old_pytest_image})
+    sb = await _at_base(local_backend, task)
+    assert "pytest 7.4.4" in (await sb.exec("python -m pytest --version", timeout=60)).text + \
+        (await sb.exec("python -m pytest --version", timeout=60)).err_text
+    empty = await grade(sb, task, timeout=120)
+    assert (empty.reward, empty.tampering) == (0.0, ())
+    await _sb_apply(sb, task.patch)
+    gold = await grade(sb, task, timeout=120)
+    assert (gold.reward, gold.tampering) == (1.0, ()), gold.log[-1500:]
+    sb = await _at_base(local_backend, task)
+    await _prepend(sb, "calc.py", FAKE_PASSED_THEN_EXIT)
+    faked = await grade(sb, task, timeout=120)
+    assert faked.reward == 0.0 and faked.tampering
+    sb = await _at_base(local_backend, task)
+    await _prepend(sb, "calc.py", REWRITE_OUTCOMES)
+    rewritten = await grade(sb, task, timeout=120)
+    assert rewritten.reward == 0.0 and any("replaced during the run" in e for e in rewritten.tampering)
