@@ -377,6 +377,8 @@ class Session:
                     p2p_failed=result.p2p_failed, grade_timed_out=result.timed_out)
         if result.error:
             info["grade_error"] = result.error
+        if result.tampering:  # scored 0; the evidence travels with the step
+            info["tampering"] = list(result.tampering)
         self._record(Outcome.COMPLETED, float(result.reward))
         self.done = True
         await self.release()
