@@ -22,7 +22,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(stderr=True)
 
 
-def _default_tasks(*, validated: bool = False) -> Path:
+def _default_tasks(*, validated: bool = False, limit: int = 0, out: Path | None = None) -> Path:
     from sandpool.envs.taskpack import RichBuildProgress, build_default_pack
 
     console.print("[bold]task pack[/]: the default pack (built on the first run, then cached)")
@@ -34,9 +34,17 @@ def _default_tasks(*, validated: bool = False) -> Path:
 
     # Validated once per pack (its directory is keyed by the pack digest) and grading version.
     passing = pack.parent / f"validated.v{VALIDATION_VERSION}.jsonl"
-    if not passing.exists():
-        console.print("[bold]validate[/]: gold and empty patch on every task of the new pack (once)")
-        _validate(pack, passing, pack.parent / f"validation.v{VALIDATION_VERSION}.json", concurrency=2)
+    if passing.exists():
+        return passing
+    if limit and out is not None:  # a run of the first N tasks validates just those, uncached
+        first = out / "pack-head.jsonl"
+        out.mkdir(parents=True, exist_ok=True)
+        first.write_text("".join(pack.read_text().splitlines(keepends=True)[:limit]))
+        console.print(f"[bold]validate[/]: gold and empty patch on the first {limit} task(s)")
+        _validate(first, out / "validated.jsonl", out / "validation.json", concurrency=2)
+        return out / "validated.jsonl"
+    console.print("[bold]validate[/]: gold and empty patch on every task of the new pack (once)")
+    _validate(pack, passing, pack.parent / f"validation.v{VALIDATION_VERSION}.json", concurrency=2)
     return passing
 
 
@@ -85,7 +93,7 @@ def run(
     from sandpool.envs.tasks import load_tasks, local_base_resolver
 
     try:
-        path = _default_tasks(validated=True) if tasks == "default" else Path(tasks)
+        path = _default_tasks(validated=True, limit=limit, out=out) if tasks == "default" else Path(tasks)
         rejected: list[RejectedTask] = []
         rows: dict[str, int] = {}
         task_list = load_tasks(path, rejected=rejected, rows=rows, resolve_base=local_base_resolver())
