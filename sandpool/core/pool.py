@@ -227,6 +227,8 @@ class SandboxPool:
         if self.telemetry.metrics is not None:
             self.telemetry.metrics.attach(self)
         backend.telemetry = self.telemetry
+        #: The event loop the pool was opened on (callers on other threads submit to it).
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def __repr__(self) -> str:
         idle = sum(len(i.idle) for i in self._images.values())
@@ -259,6 +261,7 @@ class SandboxPool:
         if self.state is PoolState.OPEN:
             return
         await self.backend.preflight()
+        self.loop = asyncio.get_running_loop()
         self.state = PoolState.OPEN
 
     async def aclose(self) -> None:

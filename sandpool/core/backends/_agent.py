@@ -21,6 +21,9 @@ Ops:
                 directory's own mode, mtime and xattrs; a ``pinned`` path is written from the
                 bytes given instead of the image's. The host computed the list from the
                 overlay's upper layer and verifies the result; this op only does the work.
+    service     {argv, env, cwd, log} -> {pid}: start a long-lived service process (its own
+                session, in the work cgroup, output to ``log``) that ``ps`` and
+                ``kill_strays`` leave alone
 """
 
 import base64
@@ -35,6 +38,7 @@ import time
 
 _out_lock = threading.Lock()
 _SELF = os.getpid()
+_SERVICES = {}  # pid -> Popen of the service processes (spared by ps and kill_strays)
 
 
 def _send(obj):
@@ -297,7 +301,7 @@ def _write_file(req):
 
 def _others():
     """Pids in this pid namespace other than the init (1), the agent and its helper threads."""
-    mine = {1, _SELF, os.getppid()}
+    mine = {1, _SELF, os.getppid(), *_SERVICES}
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit() and int(name) not in mine:
@@ -445,8 +449,19 @@ def _restore(req):
     return {"failed": failed}
 
 
+def _service(req):
+    env = dict(os.environ)
+    env.update(req.get("env") or {})
+    with open(req["log"], "ab") as log:
+        proc = subprocess.Popen(_in_work_cgroup(req["argv"]), cwd=req.get("cwd") or None, env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _SERVICES[proc.pid] = proc
+    return {"pid": proc.pid}
+
+
 _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps": _ps,
-        "kill_strays": _kill_strays, "restore": _restore}
+        "kill_strays": _kill_strays, "restore": _restore, "service": _service}
 
 
 def _serve(req):

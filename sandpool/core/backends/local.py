@@ -16,7 +16,11 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
 * a disk quota (``ResourceLimits.disk_bytes``): the overlay's upper layer and ``/tmp`` live on
   a per-sandbox loop-mounted filesystem of that size (``_quota``), so a rollout that writes too
   much gets ENOSPC inside its sandbox (``write_file`` raises :class:`DiskQuotaExceeded`) and
-  the host disk is never filled; the sandbox stays usable and the in-place reset frees it.
+  the host disk is never filled; the sandbox stays usable and the in-place reset frees it;
+* optionally one long-lived service process per sandbox (:class:`ServiceSpec`, e.g. an
+  agent-server), started while the sandbox is created, with a writable directory of its own
+  at :data:`SERVICE_DIR` (outside the repo and the scratch directories); ``ps`` and
+  ``kill_strays``, and so in-place reset, leave it running (image directories only).
 
 OCI images hydrated into the image store (``sandpool images pull``, :mod:`sandpool.core.images`)
 are started the same way with their own root filesystem as ``/`` and root inside mapped to an
@@ -37,13 +41,15 @@ import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
 import stat
 import subprocess
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from pydantic import BaseModel, ValidationError
@@ -56,7 +62,11 @@ from sandpool.core.mounts import mount_overlay
 from sandpool.core.mounts import umount as _umount
 from sandpool.core.paths import sandpool_home
 
-__all__ = ["LocalBackend", "LocalImage", "LocalSandbox", "image_dir"]
+__all__ = ["SERVICE_DIR", "LocalBackend", "LocalImage", "LocalSandbox", "ServiceSpec", "image_dir"]
+
+#: The service's own writable directory inside the sandbox (a host directory per sandbox,
+#: ``LocalSandbox.service_dir``); it is its working directory.
+SERVICE_DIR = "/run/sandpool-service"
 
 _AGENT = Path(__file__).with_name("_agent.py")
 _AGENT_IN_SANDBOX = "/opt/sandpool/agent.py"
@@ -96,6 +106,36 @@ class LocalImage(BaseModel):
     head: str | None = None
 
 
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A long-lived process every sandbox of a backend runs beside the policy's commands.
+
+    Usage: ``LocalBackend(service=ServiceSpec(argv=("/opt/srv/bin/python", "-m", "srv")))``.
+
+    Attributes:
+        argv: The command, run in :data:`SERVICE_DIR` with the sandbox's environment plus ``env``,
+            in the policy's work cgroup (what it runs for the policy counts there); its output
+            goes to ``service.log`` there.
+        env: Extra environment variables.
+        binds: ``(host path, sandbox path)`` pairs bind-mounted read-only (the service's code).
+        ready_argv: A command run once after the start that exits 0 when the service is ready
+            (it waits itself, e.g. for a socket to answer; ``$SANDPOOL_SERVICE_PID`` is the
+            service's pid, so it can give up when the service dies); creation fails if it
+            does not exit 0.
+        ready_timeout: Seconds ``ready_argv`` may take.
+        secret_env: Names of variables set to a fresh random secret for each sandbox's service
+            (e.g. the key its clients must present); the values are in
+            ``LocalSandbox.service_env``.
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    binds: tuple[tuple[str, str], ...] = ()
+    ready_argv: tuple[str, ...] | None = None
+    ready_timeout: float = 60.0
+    secret_env: tuple[str, ...] = ()
+
+
 class LocalSandbox(Sandbox):
     """A running local sandbox: an agent process spoken to over JSON lines on stdio.
 
@@ -119,6 +159,10 @@ class LocalSandbox(Sandbox):
         self.workdir = image.repo_dir if isinstance(image, OciImage) else image.workdir
         self.head = image.head
         self.state_dir = state_dir
+        #: Host path of the service's directory (:data:`SERVICE_DIR`), or None without a service.
+        self.service_dir: Path | None = None
+        #: The environment the service was started with (its secrets included).
+        self.service_env: dict[str, str] = {}
         #: Host path of the overlay's upper layer (what the rollout changed), for reset checks.
         self.upper = upper
         #: The OCI image it runs, or None for an image directory.
@@ -418,6 +462,7 @@ class LocalBackend(Backend):
             False to run without CPU/memory/pid limits, e.g. unprivileged in a container.
         store: The OCI image store consulted for names that are not image directories
             (default ``ImageStore()``, under ``sandpool_home()/oci-v1``).
+        service: A long-lived process each sandbox starts before it is handed out.
     """
 
     name = "local"
@@ -432,6 +477,7 @@ class LocalBackend(Backend):
         bwrap: str = "bwrap",
         require_limits: bool = True,
         store: ImageStore | None = None,
+        service: ServiceSpec | None = None,
     ) -> None:
         self.images_root = Path(images_root) if images_root else sandpool_home() / "images"
         self.limits = limits
@@ -442,6 +488,7 @@ class LocalBackend(Backend):
         self.bwrap = bwrap
         self.require_limits = require_limits
         self.store = store or ImageStore()
+        self.service = service
         self._images: dict[str, LocalImage | OciImage] = {}
         self._live: dict[str, LocalSandbox] = {}
         self._seq = itertools.count(1)
@@ -525,7 +572,7 @@ class LocalBackend(Backend):
         self.image(image)
 
     def _bwrap_argv(self, img: LocalImage, merged: Path, tmp: Path | None,
-                    work_procs: Sequence[str] = ()) -> list[str]:
+                    work_procs: Sequence[str] = (), service_dir: Path | None = None) -> list[str]:
         venv_bin = f"{img.venv}/bin"
         argv = [
             self.bwrap,
@@ -563,6 +610,10 @@ class LocalBackend(Backend):
             "--ro-bind", img.repo, _IMAGE_IN_SANDBOX,
             "--ro-bind", str(_AGENT), _AGENT_IN_SANDBOX,
         ]
+        if self.service is not None and service_dir is not None:
+            for host, dest in self.service.binds:
+                argv += ["--ro-bind", host, dest]
+            argv += ["--bind", str(service_dir), SERVICE_DIR]
         # The agent puts each command into the work cgroup (its pid and memory budget),
         # through these files only: the policy cannot see or change any limit.
         for i, procs in enumerate(work_procs):
@@ -607,6 +658,9 @@ class LocalBackend(Backend):
         """
         await self.preflight()
         img = self.image(image)
+        if self.service is not None and isinstance(img, OciImage):
+            raise errors.ConfigError(f"image {image!r} is an OCI image; a ServiceSpec runs only in "
+                                     "sandboxes of image directories")
         self._write_etc()
         sid = f"sb-{self.run_id}-{next(self._seq)}"
         state = self._run_dir / sid
@@ -653,7 +707,11 @@ class LocalBackend(Backend):
                 os.chmod(upper, stat.S_IMODE(lst.st_mode))
                 os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
                 mount_overlay([img.repo], upper, work, merged)
-                argv = self._bwrap_argv(img, merged, tmp, work_procs)
+                # The service's directory shares the sandbox's disk quota when there is one.
+                svc = (state / "disk" if self.limits.disk_bytes else state) / "service"
+                if self.service is not None:
+                    svc.mkdir()
+                argv = self._bwrap_argv(img, merged, tmp, work_procs, svc)
             stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -693,10 +751,28 @@ class LocalBackend(Backend):
                     os.close(info_r)
                     os.close(block_w)
             await sandbox._wait_ready(self.start_timeout)
+            if self.service is not None:
+                await self._start_service(sandbox, svc)
         except BaseException:
             await self.delete(sandbox)
             raise
         return sandbox
+
+    async def _start_service(self, sandbox: LocalSandbox, host_dir: Path) -> None:
+        spec = self.service
+        assert spec is not None
+        env = {**spec.env, **{name: secrets.token_urlsafe(24) for name in spec.secret_env}}
+        started = await sandbox._call("service", 30.0, argv=list(spec.argv), env=env,
+                                      cwd=SERVICE_DIR, log=f"{SERVICE_DIR}/service.log")
+        sandbox.service_dir, sandbox.service_env = host_dir, env
+        if spec.ready_argv is not None:
+            res = await sandbox.exec(list(spec.ready_argv), timeout=spec.ready_timeout, cwd=SERVICE_DIR,
+                                     env={"SANDPOOL_SERVICE_PID": str(started["pid"])})
+            if not res.ok:
+                log = (host_dir / "service.log").read_text(errors="replace")[-1500:]
+                raise errors.SandboxStartError(
+                    f"sandbox {sandbox.id}: its service did not become ready (exit {res.exit_code}, "
+                    f"timed out: {res.timed_out}): {log.strip() or res.err_text[-500:]}")
 
     async def delete(self, sandbox: Sandbox) -> None:
         """Kill the sandbox's whole process tree, unmount its overlay, remove its state."""
@@ -744,6 +820,21 @@ class LocalBackend(Backend):
                 except OSError:
                     pass
 
+    async def freeze(self, sandbox: LocalSandbox, frozen: bool = True) -> None:
+        """SIGSTOP (``frozen``) or SIGCONT every process of the sandbox: a pause that keeps its
+        memory and state; commands sent while frozen wait until it is thawed. Freezing returns
+        once every process is stopped (a few milliseconds; at most 5 s)."""
+        sig = signal.SIGSTOP if frozen else signal.SIGCONT
+        pids = {*(self._cgroups.pids(sandbox.id) if self._cgroups is not None else []), sandbox.pid}
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while frozen and time.monotonic() < deadline and any(_running(p) for p in pids):
+            await asyncio.sleep(0.005)
+
     async def aclose(self) -> None:
         """Delete every live sandbox, this run's cgroups and state directory."""
         await asyncio.gather(*(self.delete(sb) for sb in list(self._live.values())))
@@ -773,6 +864,16 @@ async def _offload(fn, *args) -> None:  # type: ignore[no-untyped-def]
         await asyncio.to_thread(fn, *args)
     except RuntimeError:
         fn(*args)
+
+
+def _running(pid: int) -> bool:
+    # A stopped (T), zombie (Z) or vanished process is not running.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"T", b"t", b"Z", b"X")
 
 
 def _retrieve(fut: asyncio.Future) -> None:

@@ -1,0 +1,83 @@
+"""A sandbox's long-lived service process (ServiceSpec) on real bubblewrap sandboxes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sandpool.core import errors
+from sandpool.core.backends.local import SERVICE_DIR, LocalBackend, ServiceSpec
+from sandpool.core.reset import reset_in_place
+
+from .conftest import CALC_IMAGE
+
+# The service marks itself ready by writing a file in its own directory, then waits forever.
+_SERVICE = ("/bin/sh", "-c", "echo $SANDPOOL_SVC_GREETING > ready; echo $SVC_KEY > key; exec sleep 100000")
+_READY = ("/bin/sh", "-c", "while [ ! -s ready ]; do sleep 0.01; done")
+
+
+@pytest.fixture
+async def service_backend(test_images_root, calc_commits):
+    backend = LocalBackend(test_images_root, service=ServiceSpec(
+        argv=_SERVICE, env={"SANDPOOL_SVC_GREETING": "hello"}, ready_argv=_READY, ready_timeout=30,
+        secret_env=("SVC_KEY",)))
+    await backend.preflight()
+    yield backend
+    await backend.aclose()
+
+
+async def test_service_is_running_when_the_sandbox_is_handed_out(service_backend):
+    sb = await service_backend.create(CALC_IMAGE)
+    assert sb.service_dir is not None and (sb.service_dir / "ready").read_text() == "hello\n"
+    res = await sb.exec(f"cat {SERVICE_DIR}/ready && pgrep -f 'sleep 100000'")
+    assert res.ok and res.text.startswith("hello\n")
+
+
+async def test_reset_and_kill_strays_spare_the_service(service_backend, calc_commits):
+    sb = await service_backend.create(CALC_IMAGE)
+    pid = (await sb.exec("pgrep -f 'sleep 100000'")).text.strip()
+    await sb.exec("sleep 300 &", timeout=5)  # the policy's stray
+    assert await sb.processes() == ["sleep 300"]
+    outcome = await reset_in_place(sb, calc_commits["buggy"])
+    assert outcome.ok, outcome.problems
+    assert outcome.killed >= 1
+    assert (await sb.exec(f"kill -0 {pid}")).ok  # the service lives on
+    assert (await sb.exec("pgrep -x 'sleep 300'")).exit_code == 1
+
+
+async def test_service_state_lives_outside_the_repo_and_tmp(service_backend):
+    sb = await service_backend.create(CALC_IMAGE)
+    res = await sb.exec("git status --porcelain --ignored && ls -A /tmp")
+    assert res.ok and res.text == ""
+
+
+async def test_each_sandbox_service_gets_its_own_secret(service_backend):
+    a, b = await service_backend.create(CALC_IMAGE), await service_backend.create(CALC_IMAGE)
+    ka, kb = a.service_env["SVC_KEY"], b.service_env["SVC_KEY"]
+    assert len(ka) >= 32 and ka != kb
+    assert (a.service_dir / "key").read_text().strip() == ka
+    assert (b.service_dir / "key").read_text().strip() == kb
+
+
+async def test_freeze_stops_every_process_until_thawed(service_backend):
+    sb = await service_backend.create(CALC_IMAGE)
+    pids = service_backend._cgroups.pids(sb.id) if service_backend._cgroups else [sb.pid]
+    await service_backend.freeze(sb)
+    try:
+        states = {Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] for p in pids}
+        assert states == {"T"}
+    finally:
+        await service_backend.freeze(sb, frozen=False)
+    assert (await sb.exec("echo thawed", timeout=10)).text == "thawed\n"
+
+
+async def test_a_service_that_never_becomes_ready_fails_the_start(test_images_root, calc_commits):
+    backend = LocalBackend(test_images_root, service=ServiceSpec(
+        argv=("/bin/sh", "-c", "echo broken config >&2; exit 3"), ready_argv=_READY, ready_timeout=1))
+    try:
+        with pytest.raises(errors.SandboxStartError, match="broken config"):
+            await backend.create(CALC_IMAGE)
+        assert not backend._live
+    finally:
+        await backend.aclose()
