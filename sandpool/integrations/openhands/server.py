@@ -1,0 +1,166 @@
+"""The OpenHands agent-server as a sandbox's long-lived service (local backend).
+
+The agent-server runs from a read-only env brought into every sandbox: a venv holding
+``openhands-agent-server`` and ``openhands-tools`` of one version, built once (hydration) under
+``sandpool_home()/openhands/agent-server-<version>-py<X.Y>`` and bind-mounted read-only with
+the interpreter it was made from. Each sandbox starts it as its :class:`ServiceSpec` service
+while the pool warms (creation waits until it answers ``/health``), listening on a unix socket
+in the sandbox's service directory; the sandbox keeps no network of its own, and a host-side
+relay (:mod:`sandpool.integrations.openhands.relay`) exposes the socket on 127.0.0.1.
+
+The server's state (conversations, bash events, its ``HOME``) lives in the service directory,
+outside the repo and outside ``/tmp``, so in-place reset neither sees nor removes it, and
+``kill_strays`` spares the server process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from sandpool.core import errors
+from sandpool.core.backends.local import SERVICE_DIR, ServiceSpec
+from sandpool.core.paths import sandpool_home
+
+__all__ = ["AGENT_SERVER_VERSION", "SESSION_KEY", "SOCKET", "agent_server_env", "agent_server_service",
+           "installed_versions"]
+
+#: The agent-server release the env is built with (the SDK the client side uses).
+AGENT_SERVER_VERSION = "1.58.2"
+#: The variable holding a sandbox's agent-server session key (``X-Session-API-Key``).
+SESSION_KEY = "OH_SESSION_API_KEYS_0"
+#: The agent-server's unix socket inside the sandbox.
+SOCKET = f"{SERVICE_DIR}/agent-server.sock"
+
+# Runs inside the sandbox with the env's python: import the preload modules (a scripted LLM
+# in tests, custom tools), then serve OpenHands' FastAPI app on the unix socket.
+_LAUNCHER = """
+import importlib, os, sys
+os.makedirs(os.environ["TMUX_TMPDIR"], exist_ok=True)
+sys.path[:0] = [p for p in os.environ.get("SANDPOOL_OH_PATH", "").split(":") if p]
+for m in filter(None, os.environ.get("SANDPOOL_OH_PRELOAD", "").split(",")):
+    importlib.import_module(m)
+import uvicorn
+uvicorn.run("openhands.agent_server.api:api", uds=os.environ["SANDPOOL_OH_SOCKET"], ws="wsproto",
+            log_level="warning")
+"""
+
+# Exits 0 once the server answers /health on its socket (it polls, inside the sandbox), 1 as
+# soon as the server process is gone.
+_READY = (
+    "import http.client, os, socket, sys, time\n"
+    "class C(http.client.HTTPConnection):\n"
+    "    def connect(self):\n"
+    "        self.sock = socket.socket(socket.AF_UNIX); self.sock.connect(sys.argv[1])\n"
+    "while True:\n"
+    "    try:\n"
+    "        c = C('localhost', timeout=5); c.request('GET', '/health')\n"
+    "        if c.getresponse().status == 200: break\n"
+    "    except OSError: pass\n"
+    "    if not os.path.exists('/proc/' + os.environ['SANDPOOL_SERVICE_PID']): sys.exit(1)\n"
+    "    time.sleep(0.05)\n"
+)
+
+
+def agent_server_env(version: str = AGENT_SERVER_VERSION, *, python: str | None = None,
+                     constraints: Sequence[str] = ()) -> Path:
+    """Return the read-only agent-server env for ``version``, building it once (minutes).
+
+    Args:
+        version: The openhands-agent-server / openhands-tools / openhands-sdk release.
+        python: The interpreter to build it with (default: this one; it must be >= 3.12).
+        constraints: ``name==version`` lines pip must respect (e.g. the app server's own
+            versions, so the env resolves as its venv did); they key the cache too.
+
+    Returns:
+        The venv directory (``<venv>/bin/python`` runs the server).
+
+    Raises:
+        ConfigError: The interpreter is older than 3.12, or the install failed (the message
+            carries pip's last lines).
+    """
+    python = python or sys.executable
+    ver = subprocess.run([python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    if tuple(int(x) for x in ver.split(".")) < (3, 12):
+        raise errors.ConfigError(f"the OpenHands agent-server needs Python >= 3.12; {python} is {ver}")
+    suffix = "-" + hashlib.sha256("\n".join(sorted(constraints)).encode()).hexdigest()[:8] if constraints else ""
+    venv = sandpool_home() / "openhands" / f"agent-server-{version}-py{ver}{suffix}"
+    if (venv / ".installed").exists():
+        return venv
+    subprocess.run(["rm", "-rf", str(venv)], check=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    # All three pinned: the server and tools packages accept older SDKs, which lack their imports.
+    pins = [f"openhands-agent-server=={version}", f"openhands-tools=={version}", f"openhands-sdk=={version}"]
+    cflags: list[str] = []
+    if constraints:
+        (venv / "constraints.txt").write_text("\n".join(constraints) + "\n")
+        cflags = ["-c", str(venv / "constraints.txt")]
+    res = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *cflags, *pins],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise errors.ConfigError(f"building the agent-server env {venv} failed: {res.stderr[-800:]}")
+    (venv / ".installed").write_text("\n".join(pins) + "\n")
+    return venv
+
+
+def installed_versions() -> list[str]:
+    """``name==version`` of every distribution installed in this interpreter (sandpool aside):
+    constraints that make an agent-server env resolve as this venv did."""
+    out = set()
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name and name.lower() != "sandpool":
+            out.add(f"{name}=={dist.version}")
+    return sorted(out)
+
+
+def agent_server_service(
+    env: Path | None = None,
+    *,
+    preload: tuple[str, ...] = (),
+    python_path: tuple[str, ...] = (),
+    ready_timeout: float = 600.0,
+) -> ServiceSpec:
+    """The :class:`ServiceSpec` that runs the agent-server in every sandbox of a local backend.
+
+    Usage: ``LocalBackend(service=agent_server_service(preload=("my_llm",), python_path=(d,)))``.
+
+    Args:
+        env: The agent-server env (default :func:`agent_server_env`).
+        preload: Modules imported in the server process before it serves (a scripted LLM
+            provider, custom tools), like the agent-server's ``--import-modules``.
+        python_path: Host directories bind-mounted read-only and put on the server's
+            ``sys.path`` for ``preload``.
+        ready_timeout: Seconds the server may take to answer ``/health``.
+
+    Returns:
+        The service spec.
+    """
+    env = env or agent_server_env()
+    base = subprocess.run([str(env / "bin" / "python"), "-c", "import sys; print(sys.base_prefix)"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    binds = ((str(env), str(env)), (base, base), *((p, p) for p in python_path))
+    service_env = {
+        "SANDPOOL_OH_SOCKET": SOCKET,
+        # OpenHands' terminal and file editor register on import; the server resolves tools by name.
+        "SANDPOOL_OH_PRELOAD": ",".join(("openhands.tools.terminal", "openhands.tools.file_editor", *preload)),
+        "SANDPOOL_OH_PATH": ":".join(python_path),
+        "OH_ENABLE_VSCODE": "false",
+        "OH_ENABLE_VNC": "false",
+        "OH_PRELOAD_TOOLS": "false",
+        # tmux (the server's terminal backend) would keep its sockets in /tmp, which reset clears.
+        "TMUX_TMPDIR": f"{SERVICE_DIR}/tmux",
+        "OPENHANDS_SUPPRESS_BANNER": "1",
+        "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+        "PATH": f"{env}/bin:/usr/local/bin:/usr/bin:/bin",
+    }
+    py = f"{env}/bin/python"
+    # Each sandbox's server demands its own X-Session-API-Key (LocalSandbox.service_env).
+    return ServiceSpec(argv=(py, "-c", _LAUNCHER), env=service_env, binds=binds, secret_env=(SESSION_KEY,),
+                       ready_argv=(py, "-c", _READY, SOCKET), ready_timeout=ready_timeout)

@@ -1,0 +1,190 @@
+"""``SandpoolWorkspace``: an OpenHands ``RemoteWorkspace`` on a pooled sandbox's agent-server.
+
+``Conversation(agent, workspace=SandpoolWorkspace(pool, task))`` runs with unchanged OpenHands
+code: the workspace claims a sandbox whose agent-server is already up (it started while the
+pool warmed, see :mod:`sandpool.integrations.openhands.server`), relays it to
+``127.0.0.1:<port>``, and hands OpenHands that URL and the server's session key. Closing the
+workspace (or leaving its ``with`` block) releases the sandbox: reset in place for the next
+rollout, or deleted when it failed.
+
+OpenHands' workspace API is synchronous and the pool is asyncio: construct and use the
+workspace from a thread other than the pool's loop (``await asyncio.to_thread(...)``); its
+calls are submitted to :attr:`SandboxPool.loop <sandpool.core.pool.SandboxPool.loop>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+# The client deserialises the server's events into these tools' action/observation types, so
+# their modules must be imported before a conversation starts (importing registers them).
+import openhands.tools.file_editor  # noqa: F401
+import openhands.tools.terminal  # noqa: F401
+from openhands.sdk.workspace import CommandResult, RemoteWorkspace
+from pydantic import Field, PrivateAttr
+from pydantic.json_schema import SkipJsonSchema
+
+from sandpool.core import errors
+from sandpool.core.pool import Lease, SandboxPool
+from sandpool.core.task import Task
+from sandpool.envs.grading import GradeResult, grade
+from sandpool.integrations.openhands.relay import UnixRelay
+from sandpool.integrations.openhands.server import SESSION_KEY, SOCKET
+
+__all__ = ["SandpoolWorkspace"]
+
+T = TypeVar("T")
+_PROBE = "git rev-parse HEAD"  # the first command: sets TTFC, proves the sandbox answers
+
+
+class SandpoolWorkspace(RemoteWorkspace):
+    """A pooled sandbox running the OpenHands agent-server, as a ``RemoteWorkspace``.
+
+    Usage::
+
+        with SandpoolWorkspace(pool, task) as ws:            # on a worker thread
+            conv = Conversation(agent=agent, workspace=ws)
+            conv.send_message(task.problem_statement); conv.run(); conv.close()
+            reward = ws.grade().reward
+
+    Args:
+        pool: An open :class:`SandboxPool` whose backend runs the agent-server service
+            (``LocalBackend(service=agent_server_service(...))``).
+        task: The task; the sandbox is claimed at its ``base_commit``, and ``working_dir`` is
+            its repo.
+        claim_timeout: Seconds to wait for a sandbox (default: the pool's).
+
+    Raises:
+        ConfigError: The pool's sandboxes run no agent-server.
+        InfraError: No sandbox could be claimed, or it failed its first command.
+        RuntimeError: Constructed on the pool's own event loop thread (it would deadlock).
+    """
+
+    pool: SkipJsonSchema[Any] = Field(exclude=True, repr=False)
+    task: SkipJsonSchema[Any] = Field(exclude=True, repr=False)
+    claim_timeout: float | None = None
+
+    _lease: Lease | None = PrivateAttr(default=None)
+    _relay: UnixRelay | None = PrivateAttr(default=None)
+
+    def __init__(self, pool: SandboxPool, task: Task, **data: Any) -> None:
+        data.setdefault("host", "http://127.0.0.1:0")  # set once the relay listens
+        data.setdefault("working_dir", task.workdir)
+        super().__init__(pool=pool, task=task, **data)
+
+    def model_post_init(self, context: Any) -> None:
+        """Claim a sandbox, start the relay, then let ``RemoteWorkspace`` initialise."""
+        pool: SandboxPool = self.pool
+        if pool.loop is None:
+            raise errors.PoolClosed("the pool is not open; open it before making a SandpoolWorkspace")
+        lease = self._run(pool.acquire(self.task, timeout=self.claim_timeout))
+        self._lease = lease
+        try:
+            service_dir = getattr(lease.sandbox, "service_dir", None)
+            key = getattr(lease.sandbox, "service_env", {}).get(SESSION_KEY)
+            if service_dir is None or key is None:
+                raise errors.ConfigError(
+                    "the pool's sandboxes run no OpenHands agent-server; make the pool over "
+                    "LocalBackend(service=agent_server_service())")
+            self._run(lease.exec(_PROBE, timeout=30.0))
+            self._relay = UnixRelay(service_dir / SOCKET.rsplit("/", 1)[1])
+            self._run(self._relay.start())
+            object.__setattr__(self, "host", self._relay.url)
+            object.__setattr__(self, "api_key", key)
+            super().model_post_init(context)
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def execute_command(self, command: str, cwd: str | Path | None = None, timeout: float = 30.0) -> CommandResult:
+        """``RemoteWorkspace.execute_command``, run in the task repo unless ``cwd`` says otherwise."""
+        return super().execute_command(command, cwd if cwd is not None else self.working_dir, timeout)
+
+    # -- sandpool side ----------------------------------------------------------------------
+
+    @property
+    def lease(self) -> Lease:
+        """The claimed sandbox.
+
+        Raises:
+            PoolClosed: The workspace was closed.
+        """
+        if self._lease is None:
+            raise errors.PoolClosed("this SandpoolWorkspace was closed")
+        return self._lease
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        loop = self.pool.loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            coro.close()
+            raise RuntimeError("SandpoolWorkspace blocks; use it from a worker thread "
+                               "(await asyncio.to_thread(...)), not on the pool's event loop")
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, loop).result()
+        except concurrent.futures.CancelledError as exc:
+            raise errors.InfraTimeout("the pool's loop cancelled the call") from exc
+
+    def check(self) -> None:
+        """Raise the sandbox's infra failure, if it had one (died, broken channel).
+
+        Raises:
+            SandboxDied: The sandbox is gone.
+            InfraError: An earlier call on the lease failed with this error.
+        """
+        lease = self.lease
+        if lease.broken is not None:
+            raise lease.broken
+        if not lease.sandbox.alive():
+            lease.broken = errors.SandboxDied(f"sandbox {lease.id} died during the conversation")
+            raise lease.broken
+
+    def grade(self, timeout: float = 300.0) -> GradeResult:
+        """Grade the sandbox's current state with sandpool's grader (:func:`grade`).
+
+        Raises:
+            InfraError: The sandbox failed (never scored).
+        """
+        self.check()
+        return self._run(grade(self.lease, self.task, timeout=timeout))
+
+    def cleanup(self) -> None:
+        """Stop the relay and release the sandbox (reset for reuse, or deleted if it failed).
+
+        Idempotent.
+        """
+        relay, self._relay = self._relay, None
+        lease, self._lease = self._lease, None
+        self.reset_client()  # close OpenHands' HTTP client before the relay goes
+        if relay is not None:
+            self._run(relay.aclose())
+        if lease is not None:
+            reusable = lease.broken is None and lease.sandbox.alive()
+            self._run(lease.release(reusable=reusable))
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        """Leave the ``with`` block: OpenHands' completion callback, then :meth:`cleanup`.
+
+        Raises:
+            InfraError: The block raised (e.g. OpenHands' HTTP client lost the server) and the
+                sandbox had failed: the error is the sandbox's, so it is reported as infra.
+        """
+        infra: errors.InfraError | None = None
+        if isinstance(exc_val, Exception) and not isinstance(exc_val, errors.SandpoolError):
+            try:
+                self.check()
+            except errors.InfraError as exc:
+                infra = exc
+        try:
+            super().__exit__(exc_type, exc_val, exc_tb)
+        finally:
+            self.cleanup()
+        if infra is not None:
+            raise infra from exc_val
