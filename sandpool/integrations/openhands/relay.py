@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from pathlib import Path
 
 __all__ = ["UnixRelay"]
 
 _CHUNK = 1 << 16
+_SUN_PATH_MAX = 108  # bytes in sockaddr_un.sun_path (Linux), the terminating NUL included
 
 
 class UnixRelay:
@@ -34,6 +36,7 @@ class UnixRelay:
 
     def __init__(self, path: Path | str) -> None:
         self.path = str(path)
+        self._dir_fd: int | None = None
         self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._conns: dict[asyncio.Task[None], list[asyncio.StreamWriter]] = {}
@@ -48,6 +51,9 @@ class UnixRelay:
 
     async def start(self) -> int:
         """Listen on 127.0.0.1 (ephemeral port) and return the port."""
+        if len(self.path.encode()) >= _SUN_PATH_MAX:
+            # A socket path longer than sockaddr_un holds is reached through its directory.
+            self._dir_fd = os.open(os.path.dirname(self.path), os.O_PATH | os.O_DIRECTORY)
         self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
@@ -58,7 +64,7 @@ class UnixRelay:
         writers = self._conns[task] = [writer]
         try:
             try:
-                up_r, up_w = await asyncio.open_unix_connection(self.path)
+                up_r, up_w = await asyncio.open_unix_connection(self._connect_path)
             except OSError:
                 return  # the sandbox (or its server) is gone: the client sees a closed connection
             writers.append(up_w)
@@ -75,6 +81,12 @@ class UnixRelay:
                 w.close()
             self._conns.pop(task, None)
 
+    @property
+    def _connect_path(self) -> str:
+        if self._dir_fd is None:
+            return self.path
+        return f"/proc/self/fd/{self._dir_fd}/{os.path.basename(self.path)}"
+
     async def aclose(self) -> None:
         """Stop listening and cut every open connection. Idempotent."""
         if self._server is not None:
@@ -85,6 +97,9 @@ class UnixRelay:
             for w in writers:
                 w.transport.abort()
         await asyncio.gather(*self._conns, return_exceptions=True)
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
 
 
 async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:

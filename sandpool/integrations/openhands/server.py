@@ -22,6 +22,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
 from sandpool.core import errors
 from sandpool.core.backends.local import SERVICE_DIR, ServiceSpec
 from sandpool.core.paths import sandpool_home
@@ -109,15 +112,28 @@ def agent_server_env(version: str = AGENT_SERVER_VERSION, *, python: str | None 
     return venv
 
 
-def installed_versions() -> list[str]:
-    """``name==version`` of every distribution installed in this interpreter (sandpool aside):
-    constraints that make an agent-server env resolve as this venv did."""
-    out = set()
-    for dist in importlib.metadata.distributions():
-        name = dist.metadata["Name"]
-        if name and name.lower() != "sandpool":
-            out.add(f"{name}=={dist.version}")
-    return sorted(out)
+def installed_versions(roots: Sequence[str] = ("openhands-agent-server", "openhands-tools")) -> list[str]:
+    """``name==version`` of ``roots`` and everything they require, as installed here.
+
+    Constraints that make an agent-server env resolve as this venv did (e.g. the app server's),
+    and stay the same when unrelated packages are added to this venv.
+    """
+    seen: dict[str, str] = {}
+    todo = list(roots)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        seen[name] = dist.version
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return sorted(f"{n}=={v}" for n, v in seen.items())
 
 
 def agent_server_service(
