@@ -128,8 +128,8 @@ def test_swebench_django_parser_on_a_real_runtests_log_matches_its_closing_count
     assert len(full) == 20 and "Ran 20 tests" in log  # every test of the closing count is parsed
     assert [t for t, s in full.items() if s == "FAILED"] == [f"test_normalize_newlines ({_CASE}.test_normalize_newlines)"]
     assert "FAILED (failures=1)" in log
-    assert runner_check(log, 1, resolved_by_log=False) == []
-    assert runner_check(log, 0, resolved_by_log=False), "FAILED with exit 0 must be flagged"
+    assert runner_check(log, 1, resolved_by_log=False, runner="unittest") == []
+    assert runner_check(log, 0, resolved_by_log=False, runner="unittest"), "FAILED with exit 0 must be flagged"
 
 
 def test_swebench_sympy_parser_on_a_real_bin_test_log_matches_its_closing_counts():
@@ -144,8 +144,9 @@ def test_swebench_sympy_parser_on_a_real_bin_test_log_matches_its_closing_counts
     # "44 passed, 3 failed": the file's last line reads "test_signed_permutations ok  [FAIL]", which
     # swebench's parser (lines ending " ok") does not count; sandpool scores what the harness scores.
     assert sum(s == "PASSED" for s in status.values()) == 43 and "test_signed_permutations" not in status
-    assert runner_check(log, 1, resolved_by_log=False) == []
-    assert runner_check(log, 0, resolved_by_log=False), "3 failed with exit 0 must be flagged"
+    assert runner_check(log, 1, resolved_by_log=False, runner="sympy") == []
+    assert runner_check(log, 0, resolved_by_log=False, runner="sympy"), "3 failed with exit 0 must be flagged"
+    assert runner_check(log, 0, resolved_by_log=True, runner="") == []  # runners it does not know
 
 
 # -- sympy's runner under the SWE-bench harness -------------------------------------------------

@@ -38,7 +38,7 @@ from sandpool.core.reset import restore_git_metadata
 from sandpool.core.task import Task
 from sandpool.core.telemetry import traced
 from sandpool.envs.harness import TestPlan, plan_for
-from sandpool.envs.verdict import cross_check, read_signed_report, runner_check
+from sandpool.envs.verdict import RUNNERS, cross_check, read_signed_report, runner_check
 
 __all__ = [
     "GradeResult",
@@ -401,7 +401,8 @@ def _score(task: Task, plan: TestPlan, res: ExecResult, log: str, report: bytes 
         elif resolved:  # pytest did not finish: nothing it reported can resolve the task
             resolved, failed_f2p, failed_p2p = False, f2p, p2p
     else:
-        evidence += runner_check(log, res.exit_code, resolved_by_log=resolved)
+        evidence += runner_check(log, res.exit_code, resolved_by_log=resolved,
+                                 runner=RUNNERS.get(task.repo, ""))
     if evidence:
         return _unresolved(task, tampering=tuple(evidence), **common)
     return GradeResult(

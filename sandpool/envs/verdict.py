@@ -22,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["SignedReport", "cross_check", "read_signed_report", "runner_check"]
+__all__ = ["RUNNERS", "SignedReport", "cross_check", "read_signed_report", "runner_check"]
 
 _PASS = ("PASSED", "XFAIL")
 _SUMMARY = re.compile(r"^=+ (.*\d+ \w+.*) in [\d.]+s(?: \([^)]*\))? =+$")
@@ -182,21 +182,29 @@ def cross_check(rep: SignedReport, *, log: str, log_status: dict[str, str], exit
     return evidence
 
 
-def runner_check(log: str, exit_code: int, *, resolved_by_log: bool) -> list[str]:
+#: Runners :func:`runner_check` knows the closing lines of, by SWE-bench repo.
+RUNNERS = {"django/django": "unittest", "sympy/sympy": "sympy"}
+
+
+def runner_check(log: str, exit_code: int, *, resolved_by_log: bool, runner: str) -> list[str]:
     """Cross-check a non-pytest runner's closing lines with its exit status.
 
-    Reads unittest's (django ``runtests.py``) ``Ran N tests`` then ``OK`` / ``FAILED (...)``
-    and sympy ``bin/test``'s ``tests finished: ...`` line. A log the harness scores as
-    resolved must end with the runner's own closing lines, and they must agree with the exit
-    status. See the module docstring for what this cannot catch.
+    Reads unittest's (django ``runtests.py``, ``runner="unittest"``) ``Ran N tests`` then
+    ``OK`` / ``FAILED (...)`` and sympy ``bin/test``'s (``runner="sympy"``) ``tests finished:
+    ...`` line. A log the harness scores as resolved must end with the runner's own closing
+    lines, and they must agree with the exit status. Other runners (the JavaScript, Go, ...
+    harnesses of SWE-bench) are not checked. See the module docstring for what this cannot
+    catch.
 
     Returns:
-        One sentence per disagreement (empty: none found).
+        One sentence per disagreement (empty: none found, or an unknown runner).
     """
     text = _ANSI.sub("", log)
     evidence: list[str] = []
-    unittest_ok = re.findall(r"^(OK|FAILED)\b.*$", text, re.M)
-    sympy = re.findall(r"tests finished: (.*) in [\d.]+ seconds", text)
+    unittest_ok = re.findall(r"^(OK|FAILED)\b.*$", text, re.M) if runner == "unittest" else []
+    sympy = re.findall(r"tests finished: (.*) in [\d.]+ seconds", text) if runner == "sympy" else []
+    if runner not in ("unittest", "sympy"):
+        return evidence
     if sympy:
         failed = re.search(r"(\d+) (failed|exceptions?)", sympy[-1]) is not None
         if failed == (exit_code == 0):
