@@ -170,7 +170,8 @@ async def test_cheating_rollout_leaves_nothing_reachable_and_its_planted_code_ne
 
 async def test_policy_cannot_write_outside_repo_tmp_and_shm(local_backend):
     sb = await local_backend.create(CALC_IMAGE)
-    for path in ("/dev/x", "/x", "/opt/sandpool/image/x", "/testbed/../x", "/usr/x", "/etc/x"):
+    for path in ("/dev/x", "/x", "/root/x", "/opt/sandpool/image/x", "/testbed/../x", "/usr/x",
+                 "/etc/x", "/opt/sandpool/x"):
         res = await sb.exec(f"echo x > {path}")
         assert not res.ok, path
     assert (await sb.exec("echo x > /dev/shm/x && echo x > /dev/mqueue/x 2>/dev/null; ls /dev/shm")).text == "x\n"
