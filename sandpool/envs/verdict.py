@@ -112,6 +112,8 @@ def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
                 status = "FAILED" if when == "call" else "ERROR"
             elif outcome == "skipped":
                 status = "XFAIL" if xfail else "SKIPPED"
+            elif outcome != "passed":
+                continue  # e.g. pytest-rerunfailures' "rerun": the final report decides
             elif when == "call":
                 status = "XPASS" if xfail else "PASSED"
                 if not xfail:
