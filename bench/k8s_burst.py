@@ -10,8 +10,9 @@ a node's concurrent pulls; the model's parameters are printed with every result)
   after; images pulled when a pod asks; one pod exec per command (today's exec path);
 * ``warm``  - agent-sandbox with placement: images planned onto nodes and prepulled, a
   SandboxWarmPool per image (pods steered by node affinity), a SandboxClaim per rollout;
-* ``reuse`` - placement and prepull, one Sandbox object per image held across its rollouts
-  and reset in the pod; commands over one agent session per sandbox; deletes batched.
+* ``reuse`` - placement and prepull, one Sandbox object per image (``--reuse-lanes``) held
+  across its rollouts, which run back to back on it, reset in the pod; commands over one
+  agent session per sandbox; deletes batched.
 
 When the corpus does not fit the nodes' image disks, the placement plan cuts it into
 windows; the next window's images are prepulled while the current window runs. Every mode
@@ -208,6 +209,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         agent=name != "pods" or args.baseline_agent,
         sandbox_objects=name == "reuse", delete_batch_s=0.5 if placed else None,
         controller_version=args.controller_version,
+        agent_timeout=120.0,  # python's start on 2 shared, overloaded cores can take tens of s
     )
     strategy = {"pods": "cold", "warm": "warm", "reuse": "reuse"}[name]
     http = await admin._ensure_client()
@@ -246,7 +248,10 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
                 backend.prepull(plan.windows[wi + 1], name=f"w{wi + 1}"))
         async with SandboxPool(backend, strategy, limits) as pool:
             wtasks = [tasks[i] for i in window]
-            slots = await pool.prepare(wtasks, args.concurrency, rollouts_per_task=args.rollouts)
+            # reuse: one sandbox per image, its rollouts back to back on it (the pool's
+            # reuse plan splits the lanes over the images); the others: every lane at once.
+            lanes_n = len(wtasks) * args.reuse_lanes if name == "reuse" else args.concurrency
+            slots = await pool.prepare(wtasks, lanes_n, rollouts_per_task=args.rollouts)
             prepare_s += time.monotonic() - tp
             gate = asyncio.Semaphore(args.concurrency)
             lanes = {t.image: deque((t, i) for i in range(args.rollouts)) for t in wtasks}
@@ -279,6 +284,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         "ttfc_samples": [r.ttfc_s for r in results if r.ttfc_s is not None],
         "rollouts": len(results), "outcomes": dict(outcomes),
         "resets": sum(p.resets for p in pools), "quarantines": sum(p.quarantines for p in pools),
+        "pool_counters": [p.model_dump() for p in pools],
         "prepare_s": prepare_s, "wall_s": wall, "windows": len(windows),
         "prepulls": prepulls, "plan": plan.as_dict() if plan else None,
         "plan_text": plan.describe() if plan else None,
@@ -403,6 +409,8 @@ async def main() -> None:
     ap.add_argument("--ready-timeout", type=float, default=1800.0)
     ap.add_argument("--baseline-agent", action="store_true",
                     help="give the pods baseline the agent session too (default: exec per command)")
+    ap.add_argument("--reuse-lanes", type=int, default=1,
+                    help="reuse: sandboxes (lanes) per image; its rollouts run back to back")
     ap.add_argument("--controller-version", default="v1.0.3")
     ap.add_argument("--kubeconfig", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("reports/bench"))

@@ -11,12 +11,13 @@ import asyncio
 import logging
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes import _manifests as m
 from sandpool.core.backends.kubernetes._exec import ExecTarget
-from sandpool.core.backends.kubernetes._manifests import ns_path
+from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
 
@@ -26,6 +27,11 @@ if TYPE_CHECKING:
 __all__ = ["PodsMixin", "cond", "pod_death", "pod_ready", "pod_start_failure"]
 
 log = logging.getLogger("sandpool.kubernetes")
+# OCI reference: [host[:port]/]path[:tag][@digest], lower-case path components.
+_IMAGE_REF = re.compile(
+    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"
+    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
+)
 
 _START_FAIL_WAITING = frozenset(
     {
@@ -102,8 +108,41 @@ def pod_death(pod: Mapping[str, Any] | None, uid: str) -> str | None:
 
 
 class PodsMixin:
-    """The pod seam of :class:`~.backend.KubernetesBackend`: create a plain pod, wait for a
-    pod to be Ready, delete one object."""
+    """The pod seam of :class:`~.backend.KubernetesBackend`: what an image becomes in a pod,
+    create a plain pod, wait for a pod to be Ready, delete objects."""
+
+    def pod_image(self: KubernetesBackend, image: str) -> PodImage:
+        """Resolve task image ``image`` through ``image_map`` and validate it.
+
+        Raises:
+            ImageNotFound: Not in the map, an invalid image reference, or a missing
+                ``workdir_source`` directory.
+        """
+        if image in self._images:
+            return self._images[image]
+        if self.image_map is None:
+            pi = PodImage(image)
+        elif callable(self.image_map):
+            pi = self.image_map(image)
+        else:
+            try:
+                pi = self.image_map[image]
+            except KeyError:
+                raise errors.ImageNotFound(
+                    f"image {image!r} is not in the backend's image_map"
+                ) from None
+        if not _IMAGE_REF.match(pi.image):
+            raise errors.ImageNotFound(
+                f"image {image!r} maps to {pi.image!r}, which is not a valid container image "
+                "reference ([registry/]path[:tag][@sha256:digest], lower-case path)"
+            )
+        if pi.workdir_source is not None and not Path(pi.workdir_source).is_dir():
+            raise errors.ImageNotFound(
+                f"image {image!r}: workdir_source {pi.workdir_source} is not a directory; build the "
+                "image first (sandpool build-pack) or fix the image_map"
+            )
+        self._images[image] = pi
+        return pi
 
     async def _create_pod(self: KubernetesBackend, image: str, n: int) -> KubernetesSandbox:
         """``pods`` mode: create pod ``sp-<run>-p<n>`` of ``image`` and wait until it is Ready."""

@@ -58,12 +58,6 @@ ExecPrefix = Callable[[Mapping[str, Any], str, bool], Sequence[str]]
 
 _MODES = ("agent-sandbox", "pods")
 _DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
-# OCI reference: [host[:port]/]path[:tag][@digest], lower-case path components.
-_IMAGE_REF = re.compile(
-    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"
-    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
-)
-
 
 def kubeconfig_path() -> str:
     """The kubeconfig used when none is given: the first path of ``$KUBECONFIG``, else
@@ -295,39 +289,6 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             sb._mark_dead(why)
 
     # -- images ------------------------------------------------------------------------------
-
-    def pod_image(self, image: str) -> PodImage:
-        """Resolve task image ``image`` through ``image_map`` and validate it.
-
-        Raises:
-            ImageNotFound: Not in the map, an invalid image reference, or a missing
-                ``workdir_source`` directory.
-        """
-        if image in self._images:
-            return self._images[image]
-        if self.image_map is None:
-            pi = PodImage(image)
-        elif callable(self.image_map):
-            pi = self.image_map(image)
-        else:
-            try:
-                pi = self.image_map[image]
-            except KeyError:
-                raise errors.ImageNotFound(
-                    f"image {image!r} is not in the backend's image_map"
-                ) from None
-        if not _IMAGE_REF.match(pi.image):
-            raise errors.ImageNotFound(
-                f"image {image!r} maps to {pi.image!r}, which is not a valid container image "
-                "reference ([registry/]path[:tag][@sha256:digest], lower-case path)"
-            )
-        if pi.workdir_source is not None and not Path(pi.workdir_source).is_dir():
-            raise errors.ImageNotFound(
-                f"image {image!r}: workdir_source {pi.workdir_source} is not a directory; build the "
-                "image first (sandpool build-pack) or fix the image_map"
-            )
-        self._images[image] = pi
-        return pi
 
     def _pod_spec(self, pi: PodImage, image: str | None = None) -> dict[str, Any]:
         return m.pod_spec(
