@@ -30,7 +30,7 @@ def task(i: int = 0, image: str = "img-a") -> Task:
 
 def test_public_names_match_all():
     exported = {n for n in dir(core) if not n.startswith("_")} - {
-        "base", "classify", "errors", "metrics", "pool", "reset", "rollout", "strategies", "task", "backends", "paths", "images", "mounts", "telemetry"}
+        "base", "classify", "conformance", "errors", "metrics", "pool", "reset", "rollout", "strategies", "task", "backends", "paths", "images", "mounts", "telemetry"}
     assert exported == set(core.__all__)
 
 
