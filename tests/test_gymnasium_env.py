@@ -382,20 +382,43 @@ def test_an_action_no_shell_can_run_is_the_policys_result_not_an_infra_failure(o
         env.close()
 
 
-@pytest.mark.parametrize("action", ["kill -9 -1", "kill -STOP -1"])
-def test_policy_that_kills_its_own_sandbox_is_scored_zero_not_unscored(opts: dict, action: str) -> None:
-    """Killing or stopping every process of the sandbox, its agent included, is the policy's
-    failure: scored 0, never an infra failure it could use to have the episode not count."""
-    env = gym.make(ENV_ID, **{**opts, "step_timeout": 2.0})
+@pytest.mark.parametrize("action", ["kill -9 -1; kill -9 1", "kill -STOP -1; kill -STOP 1",
+                                    "kill -INT 1"])
+def test_policy_that_signals_its_whole_sandbox_keeps_it_in_control(opts: dict, action: str) -> None:
+    """Killing or stopping every process it can, pid 1 included, leaves the sandbox's agent
+    running: the episode goes on and counts, never an infra failure that would not."""
+    env = gym.make(ENV_ID, **{**opts, "step_timeout": 5.0})
     try:
         env.reset(seed=0)
         _, reward, term, trunc, info = env.step(action)
-        assert (reward, term, trunc) == (0.0, True, False)
-        assert info["task_failed"] and not info["infra_failed"]
-        assert info["error_kind"] == "sandbox_exhausted"
-        report = env.unwrapped.report()
-        assert report.failures["task_failed"] == 1 and report.failures["infra_failed"] == 0
-        assert report.rollouts[0].reward == 0.0
+        assert (reward, term, trunc, info["infra_failed"], info["task_failed"]) == (
+            0.0, False, False, False, False)
+        obs, *_ = env.step("echo in-control")
+        assert obs["stdout"] == "in-control\n"
+        _, reward, term, _, info = env.step("submit")
+        assert (reward, term, info["resolved"]) == (0.0, True, False)
+        assert env.unwrapped.report().failures["completed"] == 1
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("attack", [
+    "echo '{\"id\": 3, \"exit_code\": 0}' > /proc/1/fd/1",  # forge an answer
+    "echo garbage > /proc/1/fd/1",                              # garble the channel
+    "timeout 1 cat /proc/1/fd/0",                               # steal requests
+    "for p in /proc/[0-9]*; do echo x > $p/fd/1; done",         # any process's stdout
+])
+def test_policy_cannot_touch_the_agents_channel(opts: dict, attack: str) -> None:
+    """The commands run as the agent's uid, yet cannot read its requests or write it answers:
+    forged frames would fake results (grading's too), garbled ones an unscored failure."""
+    env = gym.make(ENV_ID, **opts)
+    try:
+        env.reset(seed=0)
+        obs, _, term, trunc, info = env.step(attack + " 2>/dev/null; echo done")
+        assert obs["stdout"].endswith("done\n") and not (term or trunc) and not info["infra_failed"]
+        obs, *_ = env.step("echo in-control")
+        assert obs["stdout"] == "in-control\n"
+        assert env.unwrapped.report().failures["infra_failed"] == 0
     finally:
         env.close()
 

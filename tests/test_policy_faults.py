@@ -109,15 +109,16 @@ async def test_a_memory_bomb_is_oom_killed_and_the_agent_survives(test_images_ro
         await backend.aclose()
 
 
-async def test_a_policy_that_kills_its_agent_is_scored_not_retried(test_images_root, calc_task):
+async def test_a_policy_that_signals_every_process_cannot_reach_the_agent(test_images_root, calc_task):
     from sandpool.core.backends.local import LocalBackend
 
     async def episode(lease):
-        await lease.exec("kill -9 -1; sleep 5", timeout=10)  # every process it can signal
-        return 1.0
+        for sig in ("-KILL", "-STOP", "-INT"):  # every process it can signal, and pid 1
+            await lease.exec(f"kill {sig} -1; kill {sig} 1; sleep 1", timeout=10)
+        return 1.0 if (await lease.exec("echo in-control")).text == "in-control\n" else 0.0
 
     async with SandboxPool(LocalBackend(test_images_root), "reuse") as pool:
         result = await run_rollout(pool, calc_task, episode)
-    # Killing the sandbox from inside must not buy an unscored infra_failed.
-    assert (result.outcome, result.reward, result.attempts) == (Outcome.TASK_FAILED, 0.0, 1), result
-    assert result.error_kind == "sandbox_exhausted" and "from inside" in (result.error or "")
+    # The agent is the sandbox's pid 1: no signal from inside reaches it, so the sandbox
+    # stays in control and killing it from inside can buy no unscored infra_failed.
+    assert (result.outcome, result.reward, result.attempts) == (Outcome.COMPLETED, 1.0, 1), result

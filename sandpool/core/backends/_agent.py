@@ -130,6 +130,10 @@ def _start_time(pid):
 
 _running = {}  # exec id -> (pid, marker) of every command still running
 _running_lock = threading.Lock()
+# As the sandbox's pid 1 the agent adopts every orphan and must reap it, but never one of its
+# own commands, whose exit status its exec waits for: spawning and reaping take this lock.
+_spawn_lock = threading.Lock()
+_spawned = set()
 
 
 def _late_orphans(start, own):
@@ -209,15 +213,17 @@ def _exec(req):
     t0 = time.monotonic()
     rid = req.get("id")
     try:
-        proc = subprocess.Popen(
-            _in_work_cgroup(argv),
-            cwd=req.get("cwd") or None,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
+        with _spawn_lock:
+            proc = subprocess.Popen(
+                _in_work_cgroup(argv),
+                cwd=req.get("cwd") or None,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            _spawned.add(proc.pid)
     except (OSError, ValueError, TypeError) as exc:
         # A missing program (127), or an argument no program can receive, such as one with a
         # NUL byte (126): the caller's command is at fault, so it gets a result, not an error.
@@ -243,6 +249,8 @@ def _exec(req):
     finally:
         with _running_lock:
             _running.pop(rid, None)
+        with _spawn_lock:
+            _spawned.discard(proc.pid)  # waited for: the reaper may have any later holder
     # A background child the command left running (a server, `sleep &`) may hold the pipes
     # open: return what was captured instead of waiting for it. In-place reset kills it later.
     deadline = time.monotonic() + (1.0 if timed_out else 0.2)
@@ -474,8 +482,45 @@ def _serve(req):
     _send(body)
 
 
+def _reap_orphans():
+    # Pid 1's duty: collect the dead orphans re-parented to the agent (a double fork's child,
+    # what kill_strays killed), never one of its own commands (their exec waits for them).
+    while True:
+        time.sleep(0.2)
+        with _spawn_lock:
+            for pid in _children_of().get(_SELF, []):
+                if pid not in _spawned and _zombie(pid):
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+
+
+def _protect():
+    """Keep the policy's commands, which run as the agent's uid, away from its channel.
+
+    The local backend starts the agent as the sandbox's pid 1 (bubblewrap ``--as-pid-1``), so
+    no other process inside holds its pipes, and no signal from inside reaches it (an init
+    only gets signals it handles: SIGINT is given back its default). Non-dumpable, its
+    ``/proc/<pid>/fd``, ``mem`` and ptrace need CAP_SYS_PTRACE, which the commands lack:
+    they cannot read its requests or write it answers (grading's included).
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if _SELF == 1:
+        threading.Thread(target=_reap_orphans, name="reaper", daemon=True).start()
+
+
 def main():
-    # Reap re-parented zombies is pid 1's job (bubblewrap's init); we only serve requests.
+    try:
+        _protect()
+    except (ImportError, AttributeError, OSError) as exc:  # fail closed: no unprotected channel
+        sys.stderr.write(f"sandpool-agent: cannot protect its channel (prctl): {exc}\n")
+        sys.exit(70)
     _send({"id": 0, "ready": True, "pid": _SELF})
     for line in sys.stdin:
         line = line.strip()

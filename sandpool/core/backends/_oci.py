@@ -208,6 +208,7 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
         *(["--share-net"] if limits.network else []),
         "--die-with-parent", "--new-session",
+        "--as-pid-1",  # the agent is the sandbox's pid 1: no process inside shares its pipes
         # bubblewrap is uid 0 inside (the map); a non-root ``User`` is reached below, by setpriv.
         "--uid", "0", "--gid", "0",
         *(["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"] if img.uid or img.gid else []),

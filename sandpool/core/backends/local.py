@@ -581,6 +581,8 @@ class LocalBackend(Backend):
             *(["--share-net"] if self.limits.network else []),
             "--die-with-parent",
             "--new-session",
+            # The agent is the sandbox's pid 1: no process inside shares its pipes (see _agent).
+            "--as-pid-1",
             "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
             "--disable-userns",
             "--hostname", "sandbox",
