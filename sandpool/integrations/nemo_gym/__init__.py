@@ -6,6 +6,8 @@ Needs the ``nemo-gym`` extra (Python >= 3.12): ``pip install 'sandpool[nemo-gym]
   ``resources_servers/sandpool_swe/app.py`` under :data:`ROOT`.
 * :mod:`.provider` -- :class:`~.provider.SandpoolProvider`, registered under the
   ``nemo_gym.sandbox_providers`` entry-point group as ``sandpool``.
+* :mod:`.protocol` -- the server's request/response bodies, NeMo Gym 0.4/0.7 differences and
+  the mapping of errors to HTTP answers.
 * :mod:`.config` -- the ``sandpool:`` YAML block both share (importable without NeMo Gym).
 * :mod:`.sessions` -- NeMo Gym sessions mapped to leased sandboxes, with idle reclaim.
 

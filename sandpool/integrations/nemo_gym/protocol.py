@@ -1,0 +1,267 @@
+"""The wire side of the ``sandpool_swe`` server: request and response bodies, NeMo Gym 0.4/0.7
+differences, and how a sandpool error becomes an HTTP answer.
+
+Split from :mod:`.server` (which keeps the server class) so that each stays under ~400 lines.
+What 0.7 adds is detected by feature, not by version: its typed session bodies
+(``ResourcesSeedSessionRequest`` and friends) and ``BaseVerifyResponse.mask_sample``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from nemo_gym.base_resources_server import (
+    BaseSeedSessionRequest,
+    BaseSeedSessionResponse,
+    BaseVerifyRequest,
+    BaseVerifyResponse,
+)
+from sandpool.core.classify import Verdict, classify, error_kind
+from sandpool.integrations.nemo_gym.sessions import SessionClosed, UnknownSession
+
+try:  # NeMo Gym >= 0.7: Environment Servers seed and close sessions with typed bodies
+    from nemo_gym.base_resources_server import (
+        ResourcesCloseSessionRequest,
+        ResourcesCloseSessionResponse,
+        ResourcesSeedSessionRequest,
+        ResourcesSeedSessionResponse,
+    )
+except ImportError:  # NeMo Gym 0.4: cookie-keyed seeds only, no /close_session
+    ResourcesCloseSessionRequest = ResourcesCloseSessionResponse = None  # type: ignore[assignment,misc]
+    ResourcesSeedSessionRequest = ResourcesSeedSessionResponse = None  # type: ignore[assignment,misc]
+
+#: NeMo Gym >= 0.7 reports a failed verification in a 200 answer with ``mask_sample``.
+MASKS_FAILED_VERIFY = "mask_sample" in BaseVerifyResponse.model_fields
+
+#: sandpool's infra kinds in the words of NeMo Gym 0.7's ``nemo_gym.failure_kinds``; any
+#: other kind is sent namespaced, as ``sandpool:<kind>`` (0.7's rule for unregistered kinds).
+NEMO_FAILURE_KINDS = {
+    "sandbox_died": "session_lost",
+    "session_expired": "session_expired",
+    "sandbox_start": "provider_unavailable",
+    "api_error": "provider_unavailable",
+    "exec_transport": "transport_peer_drop",
+    "infra_timeout": "transport_timeout",
+}
+
+__all__ = [
+    "MASKS_FAILED_VERIFY",
+    "NEMO_FAILURE_KINDS",
+    "CloseSessionBody",
+    "ReadFileRequest",
+    "ReadFileResponse",
+    "ResourcesCloseSessionRequest",
+    "ResourcesCloseSessionResponse",
+    "ResourcesSeedSessionRequest",
+    "ResourcesSeedSessionResponse",
+    "SandpoolSeedSessionRequest",
+    "SandpoolSeedSessionResponse",
+    "SandpoolVerifyRequest",
+    "SandpoolVerifyResponse",
+    "SeedSessionBody",
+    "ShellRequest",
+    "ShellResponse",
+    "WriteFileRequest",
+    "WriteFileResponse",
+    "error_response",
+    "failed_verify_response",
+    "nemo_failure_kind",
+    "scored_failure",
+]
+
+
+class SandpoolSeedSessionRequest(BaseSeedSessionRequest):
+    """The dataset row, as NeMo Gym's agent posts it to ``/seed_session``.
+
+    Attributes:
+        instance_id: The task to run, looked up in the configured task source.
+        task: Optional inline SWE-bench row, used when the id is not in the task source.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    instance_id: str = Field(min_length=1)
+    task: dict[str, Any] | None = None
+
+
+class SandpoolSeedSessionResponse(BaseSeedSessionResponse):
+    """What ``/seed_session`` reports.
+
+    Attributes:
+        instance_id: The task.
+        sandbox_id: The sandbox leased for the session.
+        workdir: Path of the task repo in the sandbox (relative tool paths start there).
+        ttfc_s: Time to first command: claim request to the answer of the first command, s.
+    """
+
+    instance_id: str
+    sandbox_id: str
+    workdir: str
+    ttfc_s: float | None = None
+
+
+class ShellRequest(BaseModel):
+    """Run a shell command (``bash -c``) in the task repo.
+
+    Attributes:
+        command: The command line.
+        timeout_s: Seconds before the command's process group is killed (exit code 124);
+            default and cap come from the config.
+    """
+
+    command: str
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+class ShellResponse(BaseModel):
+    """A command's result; output is UTF-8 text, each stream capped by the config."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    stdout_truncated: bool
+    stderr_truncated: bool
+    timed_out: bool
+    duration_s: float
+
+
+class ReadFileRequest(BaseModel):
+    """Read a file; a relative ``path`` is relative to the task repo."""
+
+    path: str = Field(min_length=1)
+
+
+class ReadFileResponse(BaseModel):
+    """A file's content as UTF-8 text (invalid bytes become U+FFFD), capped by the config."""
+
+    path: str
+    content: str
+    size_bytes: int
+    truncated: bool
+
+
+class WriteFileRequest(BaseModel):
+    """Write a UTF-8 text file, creating parent directories; relative to the task repo."""
+
+    path: str = Field(min_length=1)
+    content: str
+
+
+class WriteFileResponse(BaseModel):
+    """Confirms a write."""
+
+    path: str
+    bytes_written: int
+
+
+class SandpoolVerifyRequest(BaseVerifyRequest):
+    """NeMo Gym's verify body; the row's extra fields are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class SandpoolVerifyResponse(BaseVerifyResponse):
+    """The graded outcome; ``reward`` is 1.0 only if every FAIL_TO_PASS/PASS_TO_PASS test passed.
+
+    Attributes:
+        instance_id: The task.
+        sandbox_id: The sandbox that was graded.
+        resolved: Every listed test passed.
+        f2p_passed: FAIL_TO_PASS tests that passed.
+        f2p_failed: FAIL_TO_PASS tests that did not.
+        p2p_passed: PASS_TO_PASS tests that passed.
+        p2p_failed: PASS_TO_PASS tests that did not.
+        tests_timed_out: The test run hit ``grade_timeout_s`` (scored 0: the policy's code hung).
+        grade_error: Why the tests could not be set up (scored 0), else ``None``.
+        grade_duration_s: Wall time of the test command, in seconds.
+        ttfc_s: The session's time to first command, in seconds.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    instance_id: str
+    sandbox_id: str
+    resolved: bool
+    f2p_passed: int
+    f2p_failed: int
+    p2p_passed: int
+    p2p_failed: int
+    tests_timed_out: bool = False
+    grade_error: str | None = None
+    grade_duration_s: float = 0.0
+    ttfc_s: float | None = None
+
+def nemo_failure_kind(kind: str) -> str:
+    """Return NeMo Gym 0.7's ``failure_kind`` for a sandpool error kind (``sandpool:<kind>``
+    when 0.7's vocabulary has no such name)."""
+    return NEMO_FAILURE_KINDS.get(kind, f"sandpool:{kind}")
+
+
+def error_response(exc: Exception) -> JSONResponse:
+    """Map an error to the HTTP answer NeMo Gym's agents act on, as the one classifier
+    (:func:`sandpool.core.classify.classify`) places it.
+
+    Infra (and any error sandpool does not know) is ``503``: NeMo Gym raises, a failed,
+    retryable rollout, never a reward. The policy's own error (a file errno on its path, a
+    fork bomb) is ``400``, a tool result the model sees. An unknown or closed session is
+    ``409``; other input errors (a task that cannot run) ``422``; a fatal one ``503``.
+    """
+    content = {"kind": error_kind(exc), "message": str(exc)}
+    if isinstance(exc, (UnknownSession, SessionClosed)):
+        return JSONResponse(status_code=409, content={"outcome": "no_session"} | content)
+    verdict = classify(exc)
+    if verdict is Verdict.INFRA:
+        status, outcome = 503, "infra_failed"
+        content["failure_kind"] = nemo_failure_kind(content["kind"])
+    elif verdict is Verdict.POLICY:
+        status, outcome = 400, "policy_error"
+        if isinstance(exc, OSError) and exc.errno is not None:
+            content["errno"] = exc.errno
+    elif verdict is Verdict.INPUT:
+        status, outcome = 422, "bad_input"
+    else:
+        status, outcome = 503, "unavailable"
+    return JSONResponse(status_code=status, content={"outcome": outcome} | content)
+
+
+def failed_verify_response(body: BaseVerifyRequest, exc: Exception, *, terminal: bool) -> JSONResponse:
+    """A ``/verify`` that could not grade: 0.4's error answer, or 0.7's masked ``200``.
+
+    ``terminal`` (a task that cannot be graded) stamps ``_ng_failure_terminal``, so 0.7's
+    resume does not retry it; an infra failure is retried.
+    """
+    if not MASKS_FAILED_VERIFY:
+        return error_response(exc)
+    kind = "verifier_error" if terminal else nemo_failure_kind(error_kind(exc))
+    data = body.model_dump(mode="json")
+    instance_config = data.get("instance_config")
+    data |= {
+        "reward": 0.0, "mask_sample": True, "failure_kind": kind, "failure_reason": str(exc)[:2000],
+        # Older NeMo RL consumers read the mask from instance_config (as 0.7's judge_failsafe sets it).
+        "instance_config": (instance_config if isinstance(instance_config, dict) else {}) | {"mask_sample": True},
+        "_ng_failure_class": kind, "outcome": "rejected" if terminal else "infra_failed",
+        "kind": error_kind(exc),
+    }
+    if terminal:
+        data["_ng_failure_terminal"] = True
+    BaseVerifyResponse.model_validate(data)  # the shape 0.7 parses (warns on an unknown kind)
+    return JSONResponse(content=jsonable_encoder(data))
+
+
+def scored_failure(body: BaseVerifyRequest, exc: Exception) -> JSONResponse:
+    """A ``/verify`` whose failure is the policy's own (the classifier's ``POLICY``): reward 0,
+    scored, with the reason (not masked on 0.7: it is a valid measurement of the policy)."""
+    data = body.model_dump(mode="json") | {"reward": 0.0, "outcome": "task_failed",
+                                           "kind": error_kind(exc), "message": str(exc)[:2000]}
+    if MASKS_FAILED_VERIFY:
+        data |= {"failure_kind": f"sandpool:{error_kind(exc)}", "failure_reason": str(exc)[:2000]}
+    return JSONResponse(content=jsonable_encoder(data))
+
+#: The ``/seed_session`` body: a dataset row, or (NeMo Gym >= 0.7) an Environment Server's seed.
+SeedSessionBody = (SandpoolSeedSessionRequest if ResourcesSeedSessionRequest is None
+                   else ResourcesSeedSessionRequest | SandpoolSeedSessionRequest)
+CloseSessionBody = ResourcesCloseSessionRequest
