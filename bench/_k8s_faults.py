@@ -60,13 +60,17 @@ def restart(run_dir: Path, name: str, extra: tuple[str, ...] = (), drop: tuple[s
     except OSError:
         pass
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{proc['pid']}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)  # its listening port is free only once it has exited
+    # Its listening ports are free only once every thread has exited: a zombie leader whose
+    # other threads are still dying holds them (a restart then fails "address already in use").
+    while time.monotonic() < deadline:
         try:
-            if Path(f"/proc/{proc['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                break  # exited; our parent never reaps it
+            zombie = Path(f"/proc/{proc['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            if zombie and len(os.listdir(f"/proc/{proc['pid']}/task")) <= 1:
+                break
         except OSError:
-            break
+            break  # gone
+        time.sleep(0.05)
+    time.sleep(0.5)
     argv = [a for a in proc["argv"] if not a.startswith(drop)] if drop else list(proc["argv"])
     argv += list(extra)
     with open(proc["log"], "ab") as log:
