@@ -339,14 +339,15 @@ def test_failed_autoreset_keeps_the_other_sub_envs_results(opts: dict, task: Tas
     """Sub-env 0's autoreset cannot get a sandbox (the pool is full: claim timeout, infra);
     sub-env 1's step in the same batch is still returned, and sub-env 0 resets later."""
     kw = {k: v for k, v in opts.items() if k != "backend_options"}
-    shared = BackgroundPool(strategy="reuse", limits=PoolLimits(max_live=2, claim_timeout=2.0),
+    # The claim timeout is what fails the autoreset; long enough for a creation under load.
+    shared = BackgroundPool(strategy="reuse", limits=PoolLimits(max_live=2, claim_timeout=5.0),
                             backend_options=opts["backend_options"])
     envs = gym.make_vec(ENV_ID, num_envs=2, pool=shared, claim_retries=0, on_infra_failure=mode, **kw)
     try:
         envs.reset(seed=0)
         _, _, term, _, _ = envs.step(("submit", "echo a"))
         assert term.tolist() == [True, False]
-        held = shared.run(shared.pool.acquire(task))  # sub-env 0's sandbox, now taken
+        held = shared.run(shared.pool.acquire(task, timeout=60.0))  # sub-env 0's sandbox, now taken
         if mode == "raise":
             with pytest.raises(errors.InfraTimeout) as raised:
                 envs.step(("ignored", "echo b"))
