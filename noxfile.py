@@ -14,9 +14,10 @@ The README-commands test (``test_readme_commands.py``) runs in the 0.4 session o
 README's install path is the one that resolves here (Python 3.12, nemo-gym 0.4.0).
 
 ``nox -s openhands`` runs ``tests/openhands`` with openhands-sdk/-tools/-workspace/-agent-server
-1.58.2. Its venv is big, so it lives under ``sandpool_home()/venvs/<name>-<hash of the pins>``,
+1.58.2, and ``nox -s openhands_app`` runs ``tests/openhands_app`` with openhands-ai 1.11.0
+(the app server; it pins the SDK at 1.34.0, hence a venv of its own). Their venvs are big, so it lives under ``sandpool_home()/venvs/<name>-<hash of the pins>``,
 shared by every clone on the machine (a warm CI run reuses it); sandpool itself is not
-installed there but imported from this checkout (``PYTHONPATH``), so one venv serves any clone.
+installed there but imported from this checkout (``PYTHONPATH``), so one venv serves any clone. Each session prints the cold install time when it builds one.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def nemo_gym_07(session: nox.Session) -> None:
 
 OPENHANDS_SDK = ["openhands-sdk==1.58.2", "openhands-tools==1.58.2", "openhands-workspace==1.58.2",
                  "openhands-agent-server==1.58.2"]
+OPENHANDS_APP = ["openhands-ai==1.11.0"]
 
 
 def _sandpool_deps() -> list[str]:
@@ -145,3 +147,9 @@ def _run_pytest(session: nox.Session, venv: Path, tests: str) -> None:
 def openhands(session: nox.Session) -> None:
     """Run tests/openhands with the real OpenHands SDK 1.58.2 (cached venv, built as needed)."""
     _run_pytest(session, _cached_venv(session, "openhands-sdk", OPENHANDS_SDK), "tests/openhands")
+
+
+@nox.session(python=False)
+def openhands_app(session: nox.Session) -> None:
+    """Run tests/openhands_app with the real openhands-ai 1.11.0 app server (cached venv)."""
+    _run_pytest(session, _cached_venv(session, "openhands-app", OPENHANDS_APP), "tests/openhands_app")

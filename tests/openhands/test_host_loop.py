@@ -164,3 +164,12 @@ async def test_nothing_is_left_running_after_close(local_backend, calc_task):
     assert f"sb-{run_id}-" not in ps and run_id not in ps
     assert not SandboxLink._links
     assert not glob.glob(os.path.join(tempfile.gettempdir(), "sandpool-openhands-*"))
+
+
+async def test_llm_endpoint_failure_is_infra_not_reward_zero(pool, calc_task):
+    from openhands.sdk.llm.exceptions import LLMServiceUnavailableError
+
+    llm = TestLLM(model="test-model", scripted_responses=[tool_call("terminal", command="echo hi"),
+                                  LLMServiceUnavailableError("the inference server is down")])
+    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0)
+    assert result.outcome is Outcome.INFRA_FAILED and result.reward is None

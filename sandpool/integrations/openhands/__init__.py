@@ -24,7 +24,6 @@ from typing import Any
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 _WHERE = {
-    "ConversationError": "conversation",
     "ConversationResult": "conversation",
     "openhands_episode": "conversation",
     "run_conversation": "conversation",
@@ -38,6 +37,7 @@ _WHERE = {
     "agent_server_service": "server",
     "UnixRelay": "relay",
     "SandpoolSandboxServiceInjector": "app_server",
+    "SandpoolAppLifespanService": "app_server",
     "SandpoolSandboxSpecServiceInjector": "app_server",
 }
 

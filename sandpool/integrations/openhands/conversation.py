@@ -29,15 +29,8 @@ from sandpool.core.rollout import Episode
 from sandpool.envs.grading import GradeResult, grade
 from sandpool.integrations.openhands.tools import SandboxLink, sandbox_tool_specs
 
-__all__ = ["ConversationError", "ConversationResult", "openhands_episode", "run_conversation",
+__all__ = ["ConversationResult", "openhands_episode", "run_conversation",
            "task_instruction"]
-
-
-class ConversationError(errors.InfraError):
-    """The host-side agent loop failed (the LLM endpoint, OpenHands itself), not the policy's
-    actions in the sandbox: retried, never scored."""
-
-    kind = "openhands_conversation"
 
 
 @dataclass
@@ -94,7 +87,9 @@ async def run_conversation(
 
     Raises:
         InfraError: The sandbox failed during the conversation (it died, its channel broke).
-        ConversationError: The agent loop itself raised (e.g. the LLM endpoint failed).
+        Exception: Whatever the agent loop itself raised (e.g. the LLM endpoint failed, as
+            OpenHands' ``ConversationRunError``); :func:`sandpool.core.classify.classify` makes
+            it an infra failure, never a reward.
     """
     link = SandboxLink(lease)
     scratch = tempfile.mkdtemp(prefix="sandpool-openhands-")
@@ -125,10 +120,9 @@ async def run_conversation(
     try:
         status = await asyncio.to_thread(run)
     except Exception as exc:
-        if link.failure is not None:
+        if link.failure is not None:  # the loop broke because the sandbox did
             raise link.failure from exc
-        raise ConversationError(f"OpenHands conversation on {lease.id} failed: "
-                                f"{type(exc).__name__}: {exc}") from exc
+        raise  # the host-side loop's own error: sandpool's classifier calls it infra, unscored
     finally:
         link.close()
         shutil.rmtree(scratch, ignore_errors=True)
