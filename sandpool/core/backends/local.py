@@ -268,11 +268,6 @@ class LocalSandbox(Sandbox):
                 raise self._death from exc
             raise errors.SandboxDied(f"sandbox {self.id}: channel closed ({exc})") from exc
         except TimeoutError:
-            if self._agent_stopped():  # kill -STOP -1 from a command: the policy's doing
-                raise errors.SandboxExhausted(
-                    f"sandbox {self.id}: its agent was stopped by a signal from inside the "
-                    f"sandbox (the policy's processes stopped it); no answer to {op!r}"
-                ) from None
             raise errors.ExecTransportError(
                 f"sandbox {self.id}: no answer to {op!r} within {wait_s:.0f} s"
             ) from None
@@ -282,29 +277,6 @@ class LocalSandbox(Sandbox):
         if msg.get("error") == "agent_exception":
             raise errors.ExecTransportError(f"sandbox {self.id}: agent failed {op!r}: {msg['message']}")
         return msg
-
-    def _agent_stopped(self) -> bool:
-        """True when the sandbox's agent (a host-visible descendant of bubblewrap) is stopped.
-
-        Every process in the sandbox may signal the agent; SIGSTOP cannot be caught, so a
-        command that stops it leaves a live channel that never answers.
-        """
-        children: dict[int, list[int]] = {}
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                    children.setdefault(ppid, []).append(int(d.name))
-        todo = list(children.get(self.pid, []))
-        while todo:
-            pid = todo.pop()
-            todo.extend(children.get(pid, []))
-            with contextlib.suppress(OSError, IndexError):
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
-                if len(argv) == 4 and argv[3] == _AGENT_IN_SANDBOX.encode():  # not bwrap's argv
-                    state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-                    return state in ("T", "t")
-        return False
 
     def _abs(self, path: str) -> str:
         p = PurePosixPath(path)
