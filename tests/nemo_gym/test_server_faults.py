@@ -54,3 +54,26 @@ async def test_pool_recovers_after_a_killed_sandbox(live, calc_task: Task) -> No
     await again.tool("write_file", path="/tmp/p", content=calc_task.patch)
     await again.tool("shell", command="git apply /tmp/p")
     assert (await again.verify())["reward"] == 1.0
+
+
+async def test_a_task_that_cannot_be_graded_is_rejected_never_scored(live, calc_task: Task) -> None:
+    import json
+
+    import pytest
+    from aiohttp import ClientResponseError
+
+    from sandpool.integrations.nemo_gym.server import MASKS_FAILED_VERIFY
+
+    _, client = live
+    bad = "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-x\n+y\n"
+    broken = calc_task.model_copy(update={"instance_id": "calc__broken-1", "test_patch": bad})
+    ep = SimpleAgentEpisode(client, MAIN, row_for(broken) | {"task": json.loads(broken.model_dump_json())})
+    await ep.seed()
+    if not MASKS_FAILED_VERIFY:  # 0.4: the agent raises on the 422, no reward recorded
+        with pytest.raises(ClientResponseError) as info:
+            await ep.verify()
+        assert info.value.status == 422 and b"calc__broken-1" in info.value.response_content
+        return
+    body = await ep.verify()  # 0.7: masked, and terminal so that resume does not retry it
+    assert body["mask_sample"] is True and body["_ng_failure_terminal"] is True
+    assert (body["outcome"], body["failure_kind"], body["kind"]) == ("rejected", "verifier_error", "broken_task")
