@@ -311,3 +311,19 @@ async def test_image_config_user_is_who_commands_run_as(oci_images: Path, oci_st
     sb = await oci_backend.create("sandpool.test/user:1")
     res = await sb.exec("id -u; id -g; touch /etc/nope", cwd="/")
     assert res.text.split()[:2] == ["65534", "65534"] and "Permission denied" in res.err_text
+
+
+def test_local_docker_and_podman_stores_are_detected_and_named_when_absent(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandpool.core.images import normalize_source
+
+    # This machine runs neither daemon: the message says so and names the archive route.
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path / 'docker.sock'}")
+    with pytest.raises(errors.InputError, match="no Docker daemon here.*docker save"):
+        normalize_source("docker-daemon:swebench/x:latest")
+    if not Path("/var/lib/containers/storage").is_dir():
+        with pytest.raises(errors.InputError, match="no Podman store here.*podman save"):
+            normalize_source("containers-storage:swebench/x:latest")
+    with pytest.raises(errors.InputError, match="not an OCI layout directory or an archive"):
+        normalize_source(str(tmp_path / "missing"))
+    assert normalize_source("docker://swebench/x:1") == ("docker://swebench/x:1", "swebench/x:1")
