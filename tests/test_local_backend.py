@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
@@ -52,10 +51,10 @@ async def test_no_writes_outside_the_workspace(local_backend, test_images_root, 
 
 async def test_timeout_kills_the_whole_process_group(local_backend):
     sb = await local_backend.create(CALC_IMAGE)
-    t0 = time.monotonic()
     res = await sb.exec("sleep 300 & (setsid sleep 301 &); echo started; sleep 302", timeout=1.0)
+    # 124 and the flag (a finished command would be 0; one the agent waited out, no answer
+    # before the transport timeout), and nothing left: killed at the timeout, escapee too.
     assert res.timed_out and res.exit_code == 124 and res.text == "started\n"
-    assert time.monotonic() - t0 < 5
     assert await sb.processes() == []
 
 
