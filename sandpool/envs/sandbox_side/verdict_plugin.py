@@ -11,8 +11,12 @@ HMAC object, and opens the report file (it must not exist yet). Each event is on
 the closing line carries the HMAC-SHA256 of every byte before it. Code under test that only
 prints text, exits early (``os._exit``) or writes a report of its own cannot produce a closing
 line that verifies. Code that deliberately walks the interpreter's objects to reach the HMAC
-state could; the integrity check below (pytest's own report machinery unchanged at the end of
-the session) and the grader's cross-checks against the log and the exit status remain.
+state could; the integrity check below (pytest's own test-running and report machinery
+unchanged at the end of the session, and no hook implementation on the hooks that run a test
+and make its report added after collection began, except by a conftest.py) and the grader's
+cross-checks against the log and the exit status remain. Its limit: code under test that
+edits a test's function object or pytest's private state in a way not listed here is not
+caught.
 """
 
 import hashlib
@@ -43,12 +47,15 @@ def _watched():
     # pytest's report machinery, as it is before the code under test is imported.
     out = []
     try:
+        import _pytest.python as python
         import _pytest.runner as runner
         import _pytest.reports as reports
     except ImportError:
         return out
     for owner, name in ((runner, "call_and_report"), (runner, "runtestprotocol"),
                         (runner, "pytest_runtest_makereport"), (runner, "call_runtest_hook"),
+                        (runner, "pytest_runtest_call"), (python, "pytest_pyfunc_call"),
+                        (python.Function, "runtest"), (python.Function, "_getobj"),
                         (reports.TestReport, "from_item_and_call"),
                         (reports.TestReport, "__init__"), (reports.BaseReport, "passed"),
                         (reports.BaseReport, "failed")):
@@ -59,6 +66,41 @@ def _watched():
 
 
 _WATCHED = _watched()
+
+
+#: Hooks through which a test is run and its outcome made; a plugin that the code under test
+#: registers on them (e.g. a ``pytest_pyfunc_call`` that returns True without calling the
+#: test) fakes a pass that every other source agrees with.
+_RUN_HOOKS = ("pytest_runtest_protocol", "pytest_runtest_setup", "pytest_runtest_call",
+              "pytest_runtest_teardown", "pytest_pyfunc_call", "pytest_runtest_makereport",
+              "pytest_report_teststatus", "pytest_runtest_logreport")
+_IMPLS = {}  # hook name -> impl functions registered before collection (and conftest.py's)
+
+
+def _impls(config, name):
+    caller = getattr(config.pluginmanager.hook, name, None)
+    if caller is None:
+        return []
+    get = getattr(caller, "get_hookimpls", None)
+    impls = get() if get else list(getattr(caller, "_nonwrappers", [])) + list(getattr(caller, "_wrappers", []))
+    return [(impl.plugin, impl.function) for impl in impls]
+
+
+def _is_conftest(config, plugin):
+    # conftest.py files are restored from the base commit before the run, so theirs are trusted.
+    known = getattr(config.pluginmanager, "_conftest_plugins", None)
+    if known is not None:
+        return plugin in known
+    return os.path.basename(getattr(plugin, "__file__", "") or "") == "conftest.py"
+
+
+def _added_impls(config):
+    out = []
+    for name in _RUN_HOOKS:
+        for plugin, function in _impls(config, name):
+            if function not in _IMPLS.get(name, ()) and not _is_conftest(config, plugin):
+                out.append("%s:%s" % (name, getattr(function, "__qualname__", function)))
+    return out
 
 
 def _emit(record):
@@ -79,6 +121,13 @@ def pytest_configure(config):
         import pytest
         _emit({"ev": "start", "pid": os.getpid(), "pytest": getattr(pytest, "__version__", "?"),
                "python": sys.version.split()[0]})
+
+
+def pytest_collection(session):
+    # Before any test module (and so the code under test) is imported.
+    if _ours(session.config):
+        for name in _RUN_HOOKS:
+            _IMPLS[name] = set(function for _, function in _impls(session.config, name))
 
 
 def pytest_collectreport(report):
@@ -108,6 +157,7 @@ def pytest_sessionfinish(session, exitstatus):
         where = owner.__dict__ if isinstance(owner, type) else vars(owner)
         if where.get(name) is not original:
             changed.append("%s.%s" % (getattr(owner, "__name__", owner), name))
+    changed += _added_impls(session.config)
     _emit({"ev": "finish", "exitstatus": int(exitstatus), "changed": changed})
     digest = _STATE[0].hexdigest()
     os.write(_STATE[1], (json.dumps({"ev": "end", "mac": digest}) + "\n").encode("utf-8"))
