@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -246,7 +247,12 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         if plan and wi + 1 < len(plan.windows):  # the next window pulls while this one runs
             next_pull = asyncio.create_task(
                 backend.prepull(plan.windows[wi + 1], name=f"w{wi + 1}"))
-        async with SandboxPool(backend, strategy, limits) as pool:
+        # reuse: room beyond one sandbox per image, so a quarantined sandbox's replacement
+        # never evicts another image's idle sandbox (which would cascade into cold creates).
+        wlimits = (dataclasses.replace(limits, max_live=int(len(window) * args.reuse_lanes
+                                                             * 1.1) + 4)
+                   if name == "reuse" else limits)
+        async with SandboxPool(backend, strategy, wlimits) as pool:
             wtasks = [tasks[i] for i in window]
             # reuse: one sandbox per image, its rollouts back to back on it (the pool's
             # reuse plan splits the lanes over the images); the others: every lane at once.
@@ -283,6 +289,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         .model_dump(),
         "ttfc_samples": [r.ttfc_s for r in results if r.ttfc_s is not None],
         "rollouts": len(results), "outcomes": dict(outcomes),
+        "retried_attempts": sum(max(0, (r.attempts or 1) - 1) for r in results),
         "resets": sum(p.resets for p in pools), "quarantines": sum(p.quarantines for p in pools),
         "pool_counters": [p.model_dump() for p in pools],
         "prepare_s": prepare_s, "wall_s": wall, "windows": len(windows),
@@ -309,6 +316,7 @@ def table(runs: dict[str, dict]) -> str:
         ("TTFC p99 (ms)", lambda r: ms(r["ttfc"]["p99_s"])),
         ("TTFC max (ms)", lambda r: ms(r["ttfc"]["max_s"])),
         ("rollouts completed", lambda r: f"{r['outcomes'].get('completed', 0)}/{r['rollouts']}"),
+        ("  attempts retried", lambda r: str(r.get("retried_attempts", 0))),
         ("pods created", lambda r: str(r["pods_created"])),
         ("API writes, all clients", lambda r: str(r["apiserver_writes"])),
         ("API writes, sandpool", lambda r: str(r["sandpool_writes"])),
