@@ -141,6 +141,20 @@ if "pytest" in sys.modules:
             o.pluginmanager.register(_Skip(), "skip")
             break
 """,
+    "test functions emptied as pytest collects them": """
+import sys
+if "pytest" in sys.modules:
+    import _pytest.python
+    _collect = _pytest.python.PyCollector.collect
+
+    def collect(self):
+        for name, obj in list(vars(self.obj).items()):
+            if name.startswith("test_") and callable(obj):
+                obj.__code__ = (lambda: None).__code__
+        return _collect(self)
+
+    _pytest.python.PyCollector.collect = collect
+""",
 }
 
 

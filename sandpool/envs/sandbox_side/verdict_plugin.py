@@ -43,25 +43,29 @@ def _open():
 _STATE = _open()
 
 
+_MACHINERY = ("_pytest.python", "_pytest.runner", "_pytest.reports", "_pytest.main",
+              "_pytest.nodes", "_pytest.fixtures", "_pytest.outcomes", "_pytest.unittest")
+
+
 def _watched():
-    # pytest's report machinery, as it is before the code under test is imported.
+    # pytest's test-running and report machinery as it is before the code under test is
+    # imported: every function, class and descriptor of these modules and of the classes
+    # they define. Data attributes are left out (pytest updates some during a run).
+    import importlib
     out = []
-    try:
-        import _pytest.python as python
-        import _pytest.runner as runner
-        import _pytest.reports as reports
-    except ImportError:
-        return out
-    for owner, name in ((runner, "call_and_report"), (runner, "runtestprotocol"),
-                        (runner, "pytest_runtest_makereport"), (runner, "call_runtest_hook"),
-                        (runner, "pytest_runtest_call"), (python, "pytest_pyfunc_call"),
-                        (python.Function, "runtest"), (python.Function, "_getobj"),
-                        (reports.TestReport, "from_item_and_call"),
-                        (reports.TestReport, "__init__"), (reports.BaseReport, "passed"),
-                        (reports.BaseReport, "failed")):
-        where = owner.__dict__ if isinstance(owner, type) else vars(owner)
-        if name in where:
-            out.append((owner, name, where[name]))
+    kinds = (type(_open), type, property, classmethod, staticmethod)
+    for modname in _MACHINERY:
+        try:
+            module = importlib.import_module(modname)
+        except ImportError:
+            continue
+        for name, value in list(vars(module).items()):
+            if isinstance(value, kinds):
+                out.append((module, name, value))
+            if isinstance(value, type) and value.__module__ == modname:
+                for attr, member in list(vars(value).items()):
+                    if isinstance(member, kinds):
+                        out.append((value, attr, member))
     return out
 
 
@@ -154,8 +158,7 @@ def pytest_sessionfinish(session, exitstatus):
         return
     changed = []
     for owner, name, original in _WATCHED:
-        where = owner.__dict__ if isinstance(owner, type) else vars(owner)
-        if where.get(name) is not original:
+        if vars(owner).get(name) is not original:
             changed.append("%s.%s" % (getattr(owner, "__name__", owner), name))
     changed += _added_impls(session.config)
     _emit({"ev": "finish", "exitstatus": int(exitstatus), "changed": changed})
