@@ -172,6 +172,38 @@ async def test_code_under_test_that_stops_pytest_calling_the_tests_is_caught(loc
     assert any("replaced during the run" in e for e in result.tampering), result.tampering
 
 
+# Imported from the workdir (first on sys.path under ``python -m pytest``) instead of the real
+# module, before the verdict plugin looks at pytest: each stops pytest calling the tests.
+_SHADOW = """
+import os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+saved = sys.path[:]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
+sys.modules.pop({name!r}, None)
+real = __import__({name!r})
+sys.modules[{name!r}] = real
+import _pytest.python
+_pytest.python.Function.runtest = lambda self: None
+sys.path[:] = saved
+if __name__ == "__main__":
+    sys.exit(real.console_main())
+"""
+
+
+@pytest.mark.parametrize("module", ["pytest", "hmac"])
+async def test_an_untracked_module_shadowing_pytest_or_the_stdlib_in_the_workdir_is_removed(
+        local_backend, calc_task, module):
+    sb = await _at_base(local_backend, calc_task)
+    await sb.write_file(f"{module}.py", _SHADOW.format(name=module).encode())
+    # The verdict plugin imports hmac; loading hmac as a plugin does the same in a plain run.
+    plugin = "" if module == "pytest" else f" -p {module}"
+    res = await sb.exec(f"python -m pytest -rA -p no:cacheprovider{plugin} test_calc.py", timeout=60)
+    assert _fooled(parse_test_log(res.text)), "the attack should fool a log-trusting grader"
+    result = await grade(sb, calc_task, timeout=120)
+    assert result.reward == 0.0 and result.failed_f2p == ("test_calc.py::test_add",)
+    assert f"removed {module}.py" in result.neutralised
+
+
 FORGING_HOOK = (b"import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
                 b"def pytest_runtest_makereport(item, call):\n"
                 b"    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")

@@ -15,7 +15,8 @@ It never runs a hook, filter or config file the policy could have planted:
 Steps: restore the listed paths and every tracked test-configuration file (pytest.ini,
 .pytest.ini, setup.cfg, tox.ini, pyproject.toml, conftest.py) from the base commit; delete
 such files that the base commit does not have, in the tree and in every parent directory of
-the workdir; check that the test patch applies to the pristine base tree (else the task is
+the workdir; delete untracked modules at the top of the workdir that shadow the standard
+library, pytest or pluggy (the workdir is first on ``sys.path``); check that the test patch applies to the pristine base tree (else the task is
 broken), then apply it to the work tree; in a writable Python environment, delete ``.pth``,
 ``sitecustomize``/``usercustomize`` files and entry-point files changed since the sandbox
 started (and conda ``activate.d`` scripts), and report changes to the interpreter, pytest and
@@ -137,6 +138,24 @@ def write_blob(objects, workdir, path, mode, oid):
     os.chmod(full, 0o755 if mode == "100755" else 0o644)
 
 
+def shadowing_names():
+    """Module names that a file at the top of the workdir must not take over.
+
+    ``python -m pytest`` puts the workdir first on ``sys.path``, so an untracked ``pytest.py``,
+    ``pluggy/`` or ``hmac.py`` there is imported instead of the real module, before the
+    verdict plugin takes its snapshot of pytest's machinery.
+    """
+    names = set(sys.builtin_module_names) | set(GUARDED_PACKAGES) | {"py"}
+    names |= set(getattr(sys, "stdlib_module_names", ()))
+    paths = sysconfig.get_paths()
+    for key in ("stdlib", "platstdlib"):
+        for d in (paths.get(key), os.path.join(paths.get(key) or "", "lib-dynload")):
+            if d and os.path.isdir(d):
+                names.update(entry.split(".", 1)[0] for entry in os.listdir(d))
+    names.difference_update(("site-packages", "__pycache__"))
+    return names
+
+
 def start_time():
     """Epoch seconds at which the sandbox's first process started."""
     with open("/proc/stat") as f:
@@ -216,6 +235,15 @@ def main():
                     if rel not in tracked:
                         os.unlink(os.path.join(root, name))
                         out["removed"].append(rel)
+        tops = set(p.split("/", 1)[0] for p in tracked)
+        shadowing = shadowing_names()
+        for name in sorted(os.listdir(workdir)):
+            path = os.path.join(workdir, name)
+            module = name.split(".", 1)[0]
+            is_module = os.path.isdir(path) or name.endswith((".py", ".pyc", ".so", ".pyd"))
+            if name not in tops and module in shadowing and is_module:
+                remove(path)
+                out["removed"].append(name)
         parent = os.path.dirname(os.path.realpath(workdir))
         while True:
             for name in CONFIG_NAMES:
