@@ -353,3 +353,33 @@ async def test_the_signed_report_works_and_catches_forgery_under_pytest_7(local_
     await _prepend(sb, "calc.py", REWRITE_OUTCOMES)
     rewritten = await grade(sb, task, timeout=120)
     assert rewritten.reward == 0.0 and any("replaced during the run" in e for e in rewritten.tampering)
+
+
+FLOOD_THE_LOG = """
+import os, sys
+if "pytest" in sys.modules:
+    # Past pytest's capture: write to the test process's own output pipe.
+    for fd in range(3, 64):
+        try:
+            target = os.readlink("/proc/self/fd/%d" % fd)
+        except OSError:
+            continue
+        if target.startswith("pipe:"):
+            for _ in range(3):
+                os.write(fd, b"x" * (1 << 20))
+            break
+"""
+
+
+async def test_code_under_test_that_floods_the_test_log_scores_zero_instead_of_an_infra_failure(
+        local_backend, calc_task, monkeypatch):
+    # An infra failure is never scored, so a policy that could turn its failing rollout into
+    # one would escape its 0. A small cap keeps the flood cheap.
+    import sandpool.envs.grading as grading
+    monkeypatch.setattr(grading, "_MAX_LOG_BYTES", 1 << 20)
+    sb = await _at_base(local_backend, calc_task)
+    await _prepend(sb, "calc.py", FLOOD_THE_LOG)
+    result = await grade(sb, calc_task, timeout=120)
+    assert (result.reward, result.resolved) == (0.0, False)
+    assert "test log exceeded" in (result.error or ""), result
+    assert (await sb.exec("true", timeout=10)).ok, "the sandbox keeps working"

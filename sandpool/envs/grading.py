@@ -54,7 +54,7 @@ __all__ = [
 #: Environment of every test run: no bytecode written into the work tree, and a terminal
 #: wide enough that pytest keeps most of each failure message in its summary line.
 _TEST_ENV = {"PYTHONDONTWRITEBYTECODE": "1", "COLUMNS": "240", "PYTHONHASHSEED": "0"}
-#: Cap on the captured test log; a longer log is an infra problem, not a failing test.
+#: Cap on the captured test log; a longer log scores 0 (the code under test wrote it).
 _MAX_LOG_BYTES = 64 << 20
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -218,7 +218,8 @@ class GradeResult:
         timed_out: True when the test command hit its timeout (scored 0: the policy's code
             hung, e.g. an infinite loop).
         error: Why the tests could not run as the harness runs them, when the policy's state
-            is the cause (it destroyed ``.git``, the test patch does not apply to its tree);
+            is the cause (it destroyed ``.git``, the test patch does not apply to its tree,
+            its code wrote a test log over the capture cap);
             scored 0. A cause in the task itself raises instead (see :func:`grade`).
         tampering: Evidence that the policy's code forged a pass (scored 0), one sentence each.
         neutralised: Test configuration restored or removed, and startup files deleted, before
@@ -308,9 +309,9 @@ async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> Grade
     Raises:
         BrokenTaskError: The task cannot be graded as given, shown on its pristine tree: no
             test command, no tests listed, or the test patch does not apply to base_commit.
-        InfraError: The sandbox died or the command channel failed (never scored), ``.git``
-            could not be restored to the image's (``ResetError``), or the test log was too
-            long to capture whole.
+        InfraError: The sandbox died or the command channel failed (never scored), or ``.git``
+            could not be restored to the image's (``ResetError``). A test log too long to
+            capture whole scores 0 with ``error`` set: the code under test wrote it.
     """
     plan = plan_for(task)
     await _restore_git(sandbox)
@@ -352,9 +353,12 @@ async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> Grade
         res = await sandbox.exec(script, timeout=timeout, cwd=wd, env=pytest_env(), max_output=_MAX_LOG_BYTES)
         log = res.text + ("\n" + res.err_text if res.stderr else "")
         if res.stdout_truncated or res.stderr_truncated:
-            raise errors.ExecTransportError(
-                f"task {task.instance_id}: the test log exceeded {_MAX_LOG_BYTES} bytes and was cut, "
-                "so it cannot be graded")
+            # The code under test wrote it (a task whose gold run does this fails validation):
+            # the policy's result, as a timeout is, never an infra failure it could hide behind.
+            return _unresolved(task, harness=plan.harness, neutralised=neutral, exit_code=res.exit_code,
+                               duration_s=res.duration_s, log=log[-(64 << 10):], error=(
+                                   f"the test log exceeded {_MAX_LOG_BYTES} bytes and was cut, "
+                                   "so it cannot be graded (scored 0)"))
         report = None
         if plan.pytest:
             try:
