@@ -204,6 +204,20 @@ async def test_an_untracked_module_shadowing_pytest_or_the_stdlib_in_the_workdir
     assert f"removed {module}.py" in result.neutralised
 
 
+async def test_a_pytest_plugin_entry_point_planted_in_the_workdir_never_loads(local_backend, calc_task):
+    # The workdir is on sys.path, so pytest reads package metadata there for pytest11 plugins.
+    sb = await _at_base(local_backend, calc_task)
+    await sb.write_file("skipper-1.0.dist-info/METADATA", b"Metadata-Version: 2.1\nName: skipper\nVersion: 1.0\n")
+    await sb.write_file("skipper-1.0.dist-info/entry_points.txt", b"[pytest11]\nskipper = skipper_plugin\n")
+    await sb.write_file("skipper_plugin.py", b"import pytest\n\n\n@pytest.hookimpl(tryfirst=True)\n"
+                                             b"def pytest_pyfunc_call(pyfuncitem):\n    return True\n")
+    statuses, code = await _plain_run(sb)
+    assert _fooled(statuses) and code == 0, "the attack should fool a log-trusting grader"
+    result = await grade(sb, calc_task, timeout=120)
+    assert result.reward == 0.0 and result.failed_f2p == ("test_calc.py::test_add",)
+    assert "neutralised skipper-1.0.dist-info/entry_points.txt" in result.neutralised
+
+
 FORGING_HOOK = (b"import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
                 b"def pytest_runtest_makereport(item, call):\n"
                 b"    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")

@@ -16,7 +16,9 @@ Steps: restore the listed paths and every tracked test-configuration file (pytes
 .pytest.ini, setup.cfg, tox.ini, pyproject.toml, conftest.py) from the base commit; delete
 such files that the base commit does not have, in the tree and in every parent directory of
 the workdir; delete untracked modules at the top of the workdir that shadow the standard
-library, pytest or pluggy (the workdir is first on ``sys.path``); check that the test patch applies to the pristine base tree (else the task is
+library, pytest or pluggy (the workdir is first on ``sys.path``), and entry-point files
+changed since the sandbox started in package metadata under it (pytest loads their
+``pytest11`` plugins); check that the test patch applies to the pristine base tree (else the task is
 broken), then apply it to the work tree; in a writable Python environment, delete ``.pth``,
 ``sitecustomize``/``usercustomize`` files and entry-point files changed since the sandbox
 started (and conda ``activate.d`` scripts), and report changes to the interpreter, pytest and
@@ -226,15 +228,22 @@ def main():
             if os.path.basename(path) in CONFIG_NAMES and path not in out["restored"]:
                 write_blob(objects, workdir, path, *entry)
                 out["restored"].append(path)
+        since = start_time() - 1.0 if job.get("check_environment", True) else None
         for root, subdirs, files in os.walk(workdir):
             if root == workdir and ".git" in subdirs:
                 subdirs.remove(".git")
             for name in files:
+                rel = os.path.relpath(os.path.join(root, name), workdir)
                 if name in CONFIG_NAMES:
-                    rel = os.path.relpath(os.path.join(root, name), workdir)
                     if rel not in tracked:
                         os.unlink(os.path.join(root, name))
                         out["removed"].append(rel)
+                elif (since is not None and name == "entry_points.txt" and rel not in tracked
+                      and root.endswith((".dist-info", ".egg-info"))
+                      and os.lstat(os.path.join(root, name)).st_ctime > since):
+                    # The workdir is on sys.path: pytest would load its pytest11 plugins.
+                    os.unlink(os.path.join(root, name))
+                    out["neutralised"].append(rel)
         tops = set(p.split("/", 1)[0] for p in tracked)
         shadowing = shadowing_names()
         for name in sorted(os.listdir(workdir)):
