@@ -65,7 +65,7 @@ def app_server(tmp_path_factory: pytest.TempPathFactory, calc_task, test_images_
         "OH_SANDBOX_KIND": kind + "SandpoolSandboxServiceInjector",
         "OH_SANDBOX_TASKS_PATH": str(tasks),
         "OH_SANDBOX_IMAGES_ROOT": str(test_images_root),
-        "OH_SANDBOX_WARM": "2",
+        "OH_SANDBOX_WARM": "1",
         "OH_SANDBOX_PRELOAD": "sandpool_scripted_llm",
         "OH_SANDBOX_PYTHON_PATH": str(SERVER_MODULES),
         "OH_SANDBOX_RESULTS_PATH": str(d / "results.jsonl"),
