@@ -120,14 +120,16 @@ def _sandpool_deps() -> list[str]:
     return list(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"])
 
 
-def _cached_venv(session: nox.Session, name: str, pins: list[str], without: tuple[str, ...] = ()) -> Path:
+def _cached_venv(session: nox.Session, name: str, pins: list[str], later: tuple[str, ...] = ()) -> Path:
     """Return the cached venv ``name`` holding ``pins``, building it on first use (timed).
 
-    ``without`` names sandpool dependencies left out (ones sandpool imports lazily).
+    ``later`` names sandpool dependencies installed in a second pip run, after the rest.
     """
-    deps = [d for d in _sandpool_deps() if re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0] not in without]
-    reqs = sorted([*pins, *deps, *NEMO_TEST_DEPS])
-    key = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:12]
+    split = [(d, re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0] in later) for d in _sandpool_deps()]
+    reqs = sorted([*pins, *(d for d, late in split if not late), *NEMO_TEST_DEPS])
+    second = sorted(d for d, late in split if late)
+    key = hashlib.sha256("\n".join([*reqs, "--then", *second]).encode()).hexdigest()[:12] if second else \
+        hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:12]
     home = Path(os.environ.get("SANDPOOL_HOME") or Path.home() / ".cache" / "sandpool")
     venv = home / "venvs" / f"{name}-{key}"
     stamp = venv / ".installed"
@@ -137,7 +139,9 @@ def _cached_venv(session: nox.Session, name: str, pins: list[str], without: tupl
     t0 = time.monotonic()
     session.run(_pyenv_python("3.12"), "-m", "venv", str(venv), external=True)
     session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *reqs, external=True)
-    stamp.write_text("\n".join(reqs) + "\n")
+    if second:
+        session.run(str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *second, external=True)
+    stamp.write_text("\n".join([*reqs, *second]) + "\n")
     print(f"{name}: cold install took {time.monotonic() - t0:.0f} s", file=sys.stderr)
     return venv
 
@@ -157,7 +161,7 @@ def openhands(session: nox.Session) -> None:
 @nox.session(python=False)
 def openhands_app(session: nox.Session) -> None:
     """Run tests/openhands_app with the real openhands-ai 1.11.0 app server (cached venv)."""
-    # swebench, datasets and pyarrow are imported only for SWE-bench / Hugging Face rows; with
-    # them pip backtracks for over 20 minutes against openhands-ai's exact pins.
-    venv = _cached_venv(session, "openhands-app", OPENHANDS_APP, without=("swebench", "datasets", "pyarrow"))
+    # Resolved together with openhands-ai's exact pins, swebench/datasets/pyarrow made pip
+    # backtrack for over 20 minutes; installed after it, they resolve in a minute or two.
+    venv = _cached_venv(session, "openhands-app", OPENHANDS_APP, later=("swebench", "datasets", "pyarrow"))
     _run_pytest(session, venv, "tests/openhands_app")
