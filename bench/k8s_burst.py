@@ -203,15 +203,21 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
                        problem_statement="burst") for i, img in enumerate(images)}
     namespace = f"bench-{tag}"
     placed = name != "pods"
-    backend = KubernetesBackend(
-        kubeconfig, namespace=namespace, mode="pods" if name == "pods" else "agent-sandbox",
-        qps=args.qps, burst=args.burst, ready_timeout=args.ready_timeout,
-        image_map=lambda n: PodImage(n, workdir_source=str(source)), exec_prefix=exec_prefix,
-        agent=name != "pods" or args.baseline_agent,
-        sandbox_objects=name == "reuse", delete_batch_s=0.5 if placed else None,
-        controller_version=args.controller_version,
-        agent_timeout=120.0,  # python's start on 2 shared, overloaded cores can take tens of s
-    )
+    def make_backend() -> KubernetesBackend:
+        return KubernetesBackend(
+            kubeconfig, namespace=namespace, mode="pods" if name == "pods" else "agent-sandbox",
+            qps=args.qps, burst=args.burst, ready_timeout=args.ready_timeout,
+            image_map=lambda n: PodImage(n, workdir_source=str(source)), exec_prefix=exec_prefix,
+            agent=name != "pods" or args.baseline_agent,
+            sandbox_objects=name == "reuse", delete_batch_s=0.5 if placed else None,
+            controller_version=args.controller_version,
+            agent_timeout=120.0,  # python's start on 2 shared, overloaded cores takes tens of s
+        )
+
+    # The planning backend places and prepulls across windows; a pool closes its backend,
+    # so each window's pool gets a backend of its own with the plan's node affinities.
+    backend = make_backend()
+    closed: list[dict] = []
     strategy = {"pods": "cold", "warm": "warm", "reuse": "reuse"}[name]
     http = await admin._ensure_client()
     await http.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})
@@ -252,7 +258,10 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         wlimits = (dataclasses.replace(limits, max_live=int(len(window) * args.reuse_lanes
                                                              * 1.1) + 4)
                    if name == "reuse" else limits)
-        async with SandboxPool(backend, strategy, wlimits) as pool:
+        wbackend = make_backend() if plan and len(plan.windows) > 1 else backend
+        if wbackend is not backend:
+            wbackend._node_of.update(plan.node_of)
+        async with SandboxPool(wbackend, strategy, wlimits) as pool:
             wtasks = [tasks[i] for i in window]
             # reuse: one sandbox per image, its rollouts back to back on it (the pool's
             # reuse plan splits the lanes over the images); the others: every lane at once.
@@ -272,11 +281,20 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
             await asyncio.gather(*(lane(q) for img, q in lanes.items()
                                    for _ in range(slots.get(img, 1))))
             pools.append(pool.counters.model_copy(deep=True))
+            if wbackend is not backend:
+                closed.append(wbackend.api_stats)
         print(f"  {name} window {wi}: {len(window)} images done at "
               f"{time.monotonic() - t0:.0f} s", flush=True)
     wall = time.monotonic() - t0
     stats = backend.api_stats
-    await backend.aclose()
+    if not backend._closed:
+        await backend.aclose()
+    for st in closed:  # the windows' backends
+        stats["writes"] += st["writes"]
+        stats["execs"] += st["execs"]
+        stats["agent_fallbacks"] += st["agent_fallbacks"]
+        for k, v in st["writes_by"].items():
+            stats["writes_by"][k] = stats["writes_by"].get(k, 0) + v
     w1 = time.time()
     verbs1, pods1, _ = await scrape_all(admin)  # after close: long-running CONNECTs counted
     await http.request("DELETE", f"/api/v1/namespaces/{namespace}", ok_missing=True)
