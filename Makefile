@@ -56,7 +56,7 @@ run: sysdeps venv
 test: sysdeps venv cluster-build
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 	$(VENV)/bin/nox -s nemo_gym-0.4 nemo_gym-0.7
-	$(VENV)/bin/nox -s openhands
+	$(VENV)/bin/nox -s openhands openhands_app
 
 cluster-build: venv
 	$(VENV)/bin/python hack/cluster/cluster.py build

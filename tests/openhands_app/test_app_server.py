@@ -47,6 +47,7 @@ def converse(info: dict, workdir: str, steps: list[dict]) -> None:
         conv.run()
     finally:
         conv.close()
+        ws.reset_client()
 
 
 def test_app_server_runs_its_sandboxes_on_the_pool(app_server, calc_task):
@@ -115,7 +116,7 @@ def test_a_sandbox_killed_before_delete_is_infra_not_reward_zero(app_server, cal
                   *sandpool_home().glob(f"local/*/sb-*/disk/upper/{marker}")]
         state = next(p for p in hit.parents if p.name.startswith("sb-"))
         merged = state / "merged"
-        pids = subprocess.run(["pgrep", "-f", f"--bind {merged} "], capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(["pgrep", "-f", "--", f"--bind {merged} "], capture_output=True, text=True).stdout.split()
         assert pids
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
