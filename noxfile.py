@@ -1,8 +1,8 @@
 """nox sessions for test suites that need their own venv.
 
 ``nox -s nemo_gym-0.4 nemo_gym-0.7`` runs ``tests/nemo_gym`` against two NeMo Gym releases,
-each in a venv of its own, ``.venvs/nemo-gym-<release>`` (built once, rebuilt from scratch
-when its stamp, a hash of ``pyproject.toml``, the pins and the interpreter, changes):
+each in a venv of its own under ``sandpool_home()/venvs/`` (built once per machine, keyed by
+the interpreter, the pins and sandpool's dependencies; see ``_nemo_venv``):
 
 * ``nemo_gym-0.4``: nemo-gym 0.4.0 on Python 3.12, the newest release that installs on 3.12.
 * ``nemo_gym-0.7``: nemo-gym 0.7.0, the newest release. It declares ``Requires-Python
@@ -67,27 +67,40 @@ def _pyenv_python(minor: str, exact: str | None = None) -> str:
 
 
 def _nemo_venv(session: nox.Session, release: str, python: str, *pip_flags: str) -> Path:
-    """Build (or reuse) ``.venvs/nemo-gym-<release>`` and return its python.
+    """Build (or reuse) the cached venv for nemo-gym ``release`` and return its python.
 
-    The venv is rebuilt from scratch when its stamp (interpreter, flags, pins and
-    ``pyproject.toml``) no longer matches.
+    The venv lives under ``sandpool_home()/venvs/nemo-gym-<release>-<key>``, where ``key``
+    hashes the interpreter, the pip flags, the pins and sandpool's own dependencies, so every
+    clone on the machine (a CI run's fresh clone too) reuses it; a change of any of those
+    builds a new one. sandpool itself is re-installed editable from this checkout on every
+    run (``--no-deps``, seconds), because NeMo Gym finds the ``sandpool`` sandbox provider
+    through the installed package's entry points.
     """
-    venv = ROOT / ".venvs" / f"nemo-gym-{release}"
+    pins = [f"nemo-gym=={release}", *NEMO_TEST_DEPS]
+    reqs = [python, *pip_flags, *pins, *sorted(_sandpool_deps())]
+    key = hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:12]
+    venv = _venvs_home() / f"nemo-gym-{release}-{key}"
     py = venv / "bin" / "python"
     stamp = venv / ".installed"
-    pins = [f"nemo-gym=={release}", *NEMO_TEST_DEPS]
-    want = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()
-                          + " ".join([python, *pip_flags, *pins]).encode()).hexdigest()
-    if stamp.exists() and stamp.read_text() == want:
-        return py
-    if stamp.exists():  # built for other pins or another interpreter (no stamp: pip finishes it)
-        shutil.rmtree(venv)
-    if not py.exists():
+    if not stamp.exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        t0 = time.monotonic()
         session.run(python, "-m", "venv", str(venv), external=True)
-    session.run(str(py), "-m", "pip", "install", "-q", "--upgrade", "pip", external=True)
-    session.run(str(py), "-m", "pip", "install", "-q", *pip_flags, "-e", str(ROOT), *pins, external=True)
-    stamp.write_text(want)
+        session.run(str(py), "-m", "pip", "install", "-q", "--upgrade", "pip", external=True)
+        session.run(str(py), "-m", "pip", "install", "-q", *pip_flags, "-e", str(ROOT), *pins,
+                    external=True)
+        stamp.write_text("\n".join(reqs) + "\n")
+        print(f"nemo-gym {release}: cold install took {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    else:
+        session.run(str(py), "-m", "pip", "install", "-q", "--no-deps", *pip_flags, "-e", str(ROOT),
+                    external=True)
     return py
+
+
+def _venvs_home() -> Path:
+    """``sandpool_home()/venvs``: integration venvs shared by every clone on this machine."""
+    home = Path(os.environ.get("SANDPOOL_HOME") or Path.home() / ".cache" / "sandpool")
+    return home / "venvs"
 
 
 def _pytest(session: nox.Session, py: Path, *args: str) -> None:
@@ -130,8 +143,7 @@ def _cached_venv(session: nox.Session, name: str, pins: list[str], later: tuple[
     second = sorted(d for d, late in split if late)
     key = hashlib.sha256("\n".join([*reqs, "--then", *second]).encode()).hexdigest()[:12] if second else \
         hashlib.sha256("\n".join(reqs).encode()).hexdigest()[:12]
-    home = Path(os.environ.get("SANDPOOL_HOME") or Path.home() / ".cache" / "sandpool")
-    venv = home / "venvs" / f"{name}-{key}"
+    venv = _venvs_home() / f"{name}-{key}"
     stamp = venv / ".installed"
     if stamp.exists():
         return venv
