@@ -48,6 +48,14 @@ def _default_tasks(*, validated: bool = False, limit: int = 0, out: Path | None 
     return passing
 
 
+def _no_task_file(tasks: str, exc: FileNotFoundError) -> str:
+    """The message for a missing file: naming --tasks and the fix when that is what is missing."""
+    if tasks != "default" and not Path(tasks).exists():
+        return (f"--tasks {tasks}: no such file; give a .jsonl, .json or .parquet task file, a hub "
+                "dataset name, or 'default' for the built-in pack")
+    return str(exc)
+
+
 def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int,
               grade_timeout: float = 300.0) -> int:
     from sandpool.core.backends.local import LocalBackend
@@ -73,10 +81,10 @@ def run(
     tasks: Annotated[str, typer.Option(help="Task file (.jsonl/.json/.parquet of SWE-bench, R2E-Gym, SWE-smith or "
                                             "sandpool rows), a hub dataset name, or 'default' for the built-in "
                                             "pack (validated on its first build).")] = "default",
-    rollouts: Annotated[int, typer.Option(help="Rollouts per task (k).")] = 4,
+    rollouts: Annotated[int, typer.Option(min=1, help="Rollouts per task (k), at least 1.")] = 4,
     limit: Annotated[int, typer.Option(help="Run only the first N tasks (0 = all).")] = 0,
     policy: Annotated[str, typer.Option(help="Comma-separated policies used round-robin: oracle, noop, chat.")] = "oracle,noop",
-    concurrency: Annotated[int, typer.Option(help="Rollouts at once.")] = 8,
+    concurrency: Annotated[int, typer.Option(min=1, help="Rollouts at once.")] = 8,
     strategy: Annotated[str, typer.Option(help="cold, warm or reuse.")] = "reuse",
     retries: Annotated[int, typer.Option(help="Infra retries per rollout.")] = 2,
     out: Annotated[Path, typer.Option(help="Directory for report.json, report.txt, rollouts.jsonl.")] = Path("reports/run"),
@@ -100,7 +108,10 @@ def run(
         if limit:
             task_list = task_list[:limit]
         policies = [get_policy(p.strip(), base_url=chat_url, model=model) for p in policy.split(",") if p.strip()]
-    except (errors.InputError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
+        console.print(f"[red]error:[/] {_no_task_file(tasks, exc)}")
+        raise typer.Exit(2) from None
+    except errors.InputError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     for r in rejected:
@@ -153,13 +164,13 @@ def run(
 def validate(
     tasks: Annotated[str, typer.Option(help="Task file or hub name (as for run), or 'default'.")] = "default",
     out: Annotated[Path, typer.Option(help="Directory for validated.jsonl (the passing tasks) and validation.json.")] = Path("reports/validate"),
-    concurrency: Annotated[int, typer.Option(help="Rollouts at once.")] = 2,
+    concurrency: Annotated[int, typer.Option(min=1, help="Rollouts at once.")] = 2,
     grade_timeout: Annotated[float, typer.Option(help="Seconds for each grading test run.")] = 300.0,
 ) -> None:
     """Run the gold and the empty patch on every task; report broken tasks, write the passing ones.
 
     A task is broken when its gold patch does not resolve it, when the empty patch does, or when
-    grading rejects it. Use the written validated.jsonl with ``sandpool run --tasks``. Exits 1
+    grading rejects it. Use the written validated.jsonl with 'sandpool run --tasks'. Exits 1
     when any task is broken.
     """
     try:
@@ -172,7 +183,10 @@ def validate(
             for name, cached in (("validated.jsonl", f"validated.v{VALIDATION_VERSION}.jsonl"),
                                  ("validation.json", f"validation.v{VALIDATION_VERSION}.json")):
                 (path.parent / cached).write_bytes((out / name).read_bytes())
-    except (errors.InputError, errors.FatalError, FileNotFoundError) as exc:
+    except FileNotFoundError as exc:
+        console.print(f"[red]error:[/] {_no_task_file(tasks, exc)}")
+        raise typer.Exit(2) from None
+    except (errors.InputError, errors.FatalError) as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
     if broken:
@@ -225,10 +239,15 @@ def _size(n: int) -> str:
 
 
 @images_app.callback(invoke_without_command=True)
-def images_list(ctx: typer.Context) -> None:
+def images_default(ctx: typer.Context) -> None:
+    """List hydrated images with their sizes (the same as 'sandpool images list')."""
+    if ctx.invoked_subcommand is None:
+        images_list()
+
+
+@images_app.command("list")
+def images_list() -> None:
     """List hydrated images with their sizes, and the bytes on disk against the sum of sizes."""
-    if ctx.invoked_subcommand is not None:
-        return
     from sandpool.core.images import ImageStore
 
     store = ImageStore()
