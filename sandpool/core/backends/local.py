@@ -61,6 +61,7 @@ from pydantic import BaseModel, ValidationError
 
 from sandpool.core import errors
 from sandpool.core.backends import _cgroup, _oci, _overlay, _quota
+from sandpool.core.backends._agent_client import exec_result
 from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox
 from sandpool.core.images import ID_BASE, ImageStore, OciImage
 from sandpool.core.mounts import mount_overlay
@@ -306,15 +307,7 @@ class LocalSandbox(Sandbox):
             env=env or {},
             max_output=max_output,
         )
-        return ExecResult(
-            exit_code=msg["exit_code"],
-            stdout=base64.b64decode(msg["stdout"]),
-            stderr=base64.b64decode(msg["stderr"]),
-            stdout_truncated=msg["stdout_truncated"],
-            stderr_truncated=msg["stderr_truncated"],
-            timed_out=msg["timed_out"],
-            duration_s=msg["duration_s"],
-        )
+        return exec_result(msg)
 
     async def read_file(self, path: str) -> bytes:
         """Return the bytes of ``path``; see :meth:`Sandbox.read_file`."""
