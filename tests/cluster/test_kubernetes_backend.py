@@ -149,9 +149,8 @@ async def test_exec_timeout_output_cap_and_binary_files(cluster, namespace, repo
     be = backend(cluster, namespace, path, mode="pods", agent=channel == "agent")
     async with SandboxPool(be, "cold") as pool:
         async with pool.claim(make_task("sandpool.test/calc:1", first)) as lease:
-            t0 = time.monotonic()
             res = await lease.exec("setsid sleep 300 & sleep 300", timeout=1.0)
-            assert res.timed_out and res.exit_code == 124 and time.monotonic() - t0 < 10
+            assert res.timed_out and res.exit_code == 124  # the server-side timeout fired
             assert await lease.sandbox.processes() == []  # the group and the setsid escapee died
             res = await lease.exec("head -c 5000000 /dev/zero; echo done >&2", max_output=1 << 20)
             assert len(res.stdout) == 1 << 20 and res.stdout_truncated and res.stderr == b"done\n"
@@ -395,10 +394,10 @@ async def test_start_failures_surface_early(cluster, namespace, repo, tmp_path):
         cluster, namespace, path, mode="pods", node_selector={"sandpool.io/no-such-node": "x"}
     )
     try:
-        t0 = time.monotonic()
+        # The scheduler's reason, read from the watch: a ready_timeout expiry would raise
+        # InfraTimeout without it.
         with pytest.raises(errors.SandboxStartError, match="unschedulable: 0/10 nodes"):
             await be.create("sandpool.test/calc:1")
-        assert time.monotonic() - t0 < 30  # surfaced from the watch, not at ready_timeout
     finally:
         await be.aclose()
 
