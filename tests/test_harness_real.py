@@ -8,8 +8,6 @@ swebench 4.1.0's ``django/django`` 5.2 test command and ``parse_log_django``.
 
 from __future__ import annotations
 
-import json
-import subprocess
 
 import pytest
 
@@ -17,6 +15,7 @@ from sandpool.core.task import Task
 from sandpool.envs.grading import grade
 from sandpool.envs.taskpack.image import build_image
 from sandpool.envs.taskpack.spec import PackageSpec
+from tests.sdist_tasks import bug_task, git
 
 DJANGO = PackageSpec(dist="django", version="5.2.8", repo="django/django", sources=("django/utils/text.py",),
                      tests=("tests",), requirements=("asgiref==3.9.2", "sqlparse==0.5.3"))
@@ -27,37 +26,14 @@ _NEW_TEST = (
 )
 
 
-def _git(repo, *args: str) -> str:
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
-           "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z", "PATH": "/usr/bin:/bin"}
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
-                          env=env).stdout
-
-
 @pytest.fixture(scope="session")
 async def django_task(test_images_root) -> Task:
     image = await build_image(DJANGO, test_images_root)
-    meta = image / "django-task.json"
-    if not meta.exists():
-        repo = image / "repo"
-        clean = _git(repo, "rev-parse", "HEAD").strip()
-        _git(repo, "checkout", "-q", "-b", "sandpool-bug")
-        path = repo / "django/utils/text.py"
-        src = path.read_text()
-        path.write_text(src.replace('return re_newlines.sub("\\n", str(text))',
-                                    'return re_newlines.sub(" ", str(text))', 1))
-        _git(repo, "commit", "-qam", "bug")
-        buggy = _git(repo, "rev-parse", "HEAD").strip()
-        gold = _git(repo, "diff", buggy, clean)
-        tests = repo / "tests/utils_tests/test_text.py"
-        body = tests.read_text()
-        tests.write_text(body.replace("    def test_wrap(self):", _NEW_TEST + "    def test_wrap(self):", 1))
-        test_patch = _git(repo, "diff", "--", "tests/utils_tests/test_text.py")
-        _git(repo, "checkout", "-q", "--", "tests/utils_tests/test_text.py")
-        _git(repo, "checkout", "-q", "main")
-        meta.write_text(json.dumps({"base": buggy, "patch": gold, "test_patch": test_patch}))
-    info = json.loads(meta.read_text())
+    info = bug_task(
+        image, "django-task.json", source="django/utils/text.py",
+        bug=('return re_newlines.sub("\\n", str(text))', 'return re_newlines.sub(" ", str(text))'),
+        test_file="tests/utils_tests/test_text.py",
+        edit_test=lambda body: body.replace("    def test_wrap(self):", _NEW_TEST + "    def test_wrap(self):", 1))
     return Task(instance_id="django__django-90001", repo="django/django", version="5.2", harness="swebench",
                 base_commit=info["base"], image=DJANGO.image, problem_statement="normalize_newlines drops LF",
                 patch=info["patch"], test_patch=info["test_patch"],
@@ -168,28 +144,19 @@ _SYMPY_TEST = ("def test_rotate_left_by_two():\n"
 @pytest.fixture(scope="session")
 async def sympy_task(test_images_root) -> Task:
     image = await build_image(SYMPY, test_images_root)
-    meta = image / "swebench-task.json"
-    if not meta.exists():
-        repo = image / "repo"
-        _git(repo, "checkout", "-q", "-b", "sandpool-bug")
+
+    def bin_test(repo):
         (repo / "bin").mkdir(exist_ok=True)
         (repo / "bin/test").write_text(_BIN_TEST)
         (repo / "bin/test").chmod(0o755)
-        _git(repo, "add", "bin/test")
-        _git(repo, "commit", "-qm", "bin/test stand-in")
-        clean = _git(repo, "rev-parse", "HEAD").strip()
-        path = repo / "sympy/utilities/iterables.py"
-        path.write_text(path.read_text().replace("    return x[y:] + x[:y]", "    return x[:y] + x[y:]", 1))
-        _git(repo, "commit", "-qam", "bug")
-        buggy = _git(repo, "rev-parse", "HEAD").strip()
-        gold = _git(repo, "diff", buggy, clean)
-        tests = repo / "sympy/utilities/tests/test_iterables.py"
-        tests.write_text(tests.read_text().replace("def test_rotations():", _SYMPY_TEST + "def test_rotations():", 1))
-        test_patch = _git(repo, "diff", "--", "sympy/utilities/tests/test_iterables.py")
-        _git(repo, "checkout", "-q", "--", "sympy/utilities/tests/test_iterables.py")
-        _git(repo, "checkout", "-q", "main")
-        meta.write_text(json.dumps({"base": buggy, "patch": gold, "test_patch": test_patch}))
-    info = json.loads(meta.read_text())
+        git(repo, "add", "bin/test")
+        git(repo, "commit", "-qm", "bin/test stand-in")
+
+    info = bug_task(
+        image, "swebench-task.json", source="sympy/utilities/iterables.py", setup=bin_test,
+        bug=("    return x[y:] + x[:y]", "    return x[:y] + x[y:]"),
+        test_file="sympy/utilities/tests/test_iterables.py",
+        edit_test=lambda body: body.replace("def test_rotations():", _SYMPY_TEST + "def test_rotations():", 1))
     return Task(instance_id="sympy__sympy-90001", repo="sympy/sympy", version="1.13", harness="swebench",
                 base_commit=info["base"], image=SYMPY.image, problem_statement="rotate_left rotates wrong",
                 patch=info["patch"], test_patch=info["test_patch"],

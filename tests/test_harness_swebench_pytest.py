@@ -9,8 +9,6 @@ restored before the tests run.
 
 from __future__ import annotations
 
-import json
-import subprocess
 
 import pytest
 
@@ -18,6 +16,7 @@ from sandpool.core.task import Task
 from sandpool.envs.grading import grade
 from sandpool.envs.taskpack.image import build_image
 from sandpool.envs.taskpack.spec import PackageSpec
+from tests.sdist_tasks import bug_task
 
 MARSHMALLOW = PackageSpec(dist="marshmallow", version="3.19.0", repo="marshmallow-code/marshmallow",
                           import_root="src", sources=("src/marshmallow/utils.py",), tests=("tests",),
@@ -26,34 +25,13 @@ _NEW_TEST = ("\n\ndef test_is_collection_of_a_set():\n"
              "    assert utils.is_collection({1, 2}) is True\n")
 
 
-def _git(repo, *args: str) -> str:
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "GIT_AUTHOR_DATE": "2026-01-01T00:00:00Z",
-           "GIT_COMMITTER_DATE": "2026-01-01T00:00:00Z", "PATH": "/usr/bin:/bin"}
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
-                          env=env).stdout
-
-
 @pytest.fixture(scope="session")
 async def mm_task(test_images_root) -> Task:
     image = await build_image(MARSHMALLOW, test_images_root)
-    meta = image / "swebench-task.json"
-    if not meta.exists():
-        repo = image / "repo"
-        clean = _git(repo, "rev-parse", "HEAD").strip()
-        _git(repo, "checkout", "-q", "-b", "sandpool-bug")
-        path = repo / "src/marshmallow/utils.py"
-        path.write_text(path.read_text().replace("and not isinstance(obj, Mapping)", "and isinstance(obj, Mapping)", 1))
-        _git(repo, "commit", "-qam", "bug")
-        buggy = _git(repo, "rev-parse", "HEAD").strip()
-        gold = _git(repo, "diff", buggy, clean)
-        tests = repo / "tests/test_utils.py"
-        tests.write_text(tests.read_text() + _NEW_TEST)
-        test_patch = _git(repo, "diff", "--", "tests/test_utils.py")
-        _git(repo, "checkout", "-q", "--", "tests/test_utils.py")
-        _git(repo, "checkout", "-q", "main")
-        meta.write_text(json.dumps({"base": buggy, "patch": gold, "test_patch": test_patch}))
-    info = json.loads(meta.read_text())
+    info = bug_task(
+        image, "swebench-task.json", source="src/marshmallow/utils.py",
+        bug=("and not isinstance(obj, Mapping)", "and isinstance(obj, Mapping)"),
+        test_file="tests/test_utils.py", edit_test=lambda body: body + _NEW_TEST)
     return Task(instance_id="marshmallow-code__marshmallow-90001", repo="marshmallow-code/marshmallow",
                 version="3.19", harness="swebench", base_commit=info["base"], image=MARSHMALLOW.image,
                 problem_statement="is_collection is wrong", patch=info["patch"], test_patch=info["test_patch"],
