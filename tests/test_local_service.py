@@ -81,3 +81,10 @@ async def test_a_service_that_never_becomes_ready_fails_the_start(test_images_ro
         assert not backend._live
     finally:
         await backend.aclose()
+
+
+@pytest.mark.parametrize("dest", ["/tmp/code", "/dev/shm/x", "relative/path"])
+def test_a_service_bind_into_scratch_space_is_refused_with_the_fix(dest: str) -> None:
+    # A mount point under /tmp would make every in-place reset find scratch not empty.
+    with pytest.raises(errors.ConfigError, match="ServiceSpec.binds.*outside"):
+        ServiceSpec(argv=("/bin/true",), binds=(("/usr", dest),))

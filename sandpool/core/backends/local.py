@@ -141,6 +141,17 @@ class ServiceSpec:
     ready_timeout: float = 60.0
     secret_env: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # A bind under a scratch directory would leave a mount point there, which the in-place
+        # reset finds and quarantines for: every reused sandbox would be lost.
+        for _, dest in self.binds:
+            where = PurePosixPath(dest)
+            if not where.is_absolute() or any(where.is_relative_to(d) for d in LocalSandbox.scratch):
+                raise errors.ConfigError(
+                    f"ServiceSpec.binds: sandbox path {dest!r} must be absolute and outside "
+                    f"{', '.join(LocalSandbox.scratch)} (scratch the in-place reset empties); "
+                    "bind it under /opt instead")
+
 
 class LocalSandbox(Sandbox):
     """A running local sandbox: an agent process spoken to over JSON lines on stdio.

@@ -37,6 +37,8 @@ AGENT_SERVER_VERSION = "1.58.2"
 #: The variable holding a sandbox's agent-server session key (``X-Session-API-Key``).
 SESSION_KEY = "OH_SESSION_API_KEYS_0"
 #: The agent-server's unix socket inside the sandbox.
+#: Where ``python_path`` directories appear inside the sandbox (read-only), outside its scratch.
+_PATH_IN_SANDBOX = "/opt/sandpool/service-path"
 SOCKET = f"{SERVICE_DIR}/agent-server.sock"
 
 # Runs inside the sandbox with the env's python: import the preload modules (a scripted LLM
@@ -161,12 +163,15 @@ def agent_server_service(
     env = env or agent_server_env()
     base = subprocess.run([str(env / "bin" / "python"), "-c", "import sys; print(sys.base_prefix)"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    binds = ((str(env), str(env)), (base, base), *((p, p) for p in python_path))
+    # python_path directories get fixed paths inside the sandbox: bound at their host path, one
+    # under /tmp (a checkout there) would put a mount point into the scratch space reset empties.
+    inside = tuple(f"{_PATH_IN_SANDBOX}/{i}" for i in range(len(python_path)))
+    binds = ((str(env), str(env)), (base, base), *zip(python_path, inside))
     service_env = {
         "SANDPOOL_OH_SOCKET": SOCKET,
         # OpenHands' terminal and file editor register on import; the server resolves tools by name.
         "SANDPOOL_OH_PRELOAD": ",".join(("openhands.tools.terminal", "openhands.tools.file_editor", *preload)),
-        "SANDPOOL_OH_PATH": ":".join(python_path),
+        "SANDPOOL_OH_PATH": ":".join(inside),
         "OH_ENABLE_VSCODE": "false",
         "OH_ENABLE_VNC": "false",
         "OH_PRELOAD_TOOLS": "false",
