@@ -30,6 +30,8 @@ import time
 import uuid
 from pathlib import Path
 
+from k8s_burst import make_repo  # the burst bench's stand-in task repo, one recipe
+
 from sandpool.core import PoolLimits, SandboxPool, Task, run_rollout
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
 from sandpool.core.metrics import Outcome, Workload
@@ -80,19 +82,6 @@ def restart(run_dir: Path, name: str, extra: tuple[str, ...] = (), drop: tuple[s
     _state_path(run_dir).write_text(json.dumps(state, indent=2))
 
 
-def _make_repo(path: Path) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "b", "GIT_AUTHOR_EMAIL": "b@b", "GIT_COMMITTER_NAME": "b",
-           "GIT_COMMITTER_EMAIL": "b@b"}
-    if not (path / ".git").is_dir():
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["git", "init", "-q", str(path)], check=True)
-        (path / "main.py").write_text("print('hello')\n")
-        subprocess.run(["git", "-C", str(path), "add", "-A"], check=True, env=env)
-        subprocess.run(["git", "-C", str(path), "commit", "-qm", "base"], check=True, env=env)
-    return subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], check=True, capture_output=True,
-                          text=True).stdout.strip()
-
-
 async def _orphans(backend: KubernetesBackend, namespace: str, run_id: str) -> dict[str, int]:
     http = await backend._ensure_client()
     sel = f"labelSelector=sandpool.io/run-id%3D{run_id}"
@@ -114,7 +103,7 @@ async def _orphans(backend: KubernetesBackend, namespace: str, run_id: str) -> d
 async def run_k8s_fault(fault: str, kubeconfig: Path, run_dir: Path, work: Path, *, images: int = 2,
                         rollouts: int = 4, concurrency: int = 4) -> dict:
     """One burst with ``fault`` injected; returns the fault-matrix row."""
-    head = _make_repo(work / "repo")
+    head = make_repo(work / "repo")
     run_id = uuid.uuid4().hex[:8]
     namespace = "default"
     backend = KubernetesBackend(kubeconfig, namespace=namespace, run_id=run_id,
