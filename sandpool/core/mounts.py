@@ -7,7 +7,7 @@ import ctypes.util
 import os
 from pathlib import Path
 
-__all__ = ["MAX_OVERLAY_OPTS", "bind_ro", "mount_overlay", "umount"]
+__all__ = ["MAX_OVERLAY_OPTS", "bind_ro", "bind_rw", "mount_overlay", "umount"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -53,6 +53,18 @@ def bind_ro(source: Path | str, target: Path | str) -> None:
     """
     for flags in (_MS_BIND | _MS_REC,
                   _MS_BIND | _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV):
+        if _libc.mount(str(source).encode(), str(target).encode(), None, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"bind of {source} on {target}: {os.strerror(err)}")
+
+
+def bind_rw(source: Path | str, target: Path | str) -> None:
+    """Bind ``source`` on ``target`` writable, ``nosuid``, ``nodev``.
+
+    Raises:
+        OSError: A mount call failed.
+    """
+    for flags in (_MS_BIND | _MS_REC, _MS_BIND | _MS_REMOUNT | _MS_NOSUID | _MS_NODEV):
         if _libc.mount(str(source).encode(), str(target).encode(), None, flags, None) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"bind of {source} on {target}: {os.strerror(err)}")

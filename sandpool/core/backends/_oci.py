@@ -38,10 +38,11 @@ import stat
 import struct
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sandpool.core import errors
+from sandpool.core.backends._idmap import as_host_id
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
 from sandpool.core.mounts import bind_ro, mount_overlay, umount
@@ -202,7 +203,7 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
     argv = [
         # bubblewrap runs as host uid ID_BASE, which the map makes uid 0 inside: it must be
         # able to name its own uid in the namespace it creates.
-        "setpriv", f"--reuid={ID_BASE}", f"--regid={ID_BASE}", "--clear-groups", "--",
+        *as_host_id(ID_BASE),
         bwrap,
         "--unshare-all", "--unshare-user",
         "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
@@ -243,8 +244,13 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
     return argv
 
 
-async def map_ids(info_r: int, block_w: int, timeout: float) -> int:
+async def map_ids(info_r: int, block_w: int, timeout: float,
+                  before_release: Callable[[int], None] | None = None) -> int:
     """Wait for bubblewrap's child pid on ``info_r``, write its id maps, then release it.
+
+    Every local sandbox's user namespace is mapped here: uid/gid ``n`` inside is host
+    ``ID_BASE + n``, for ``n`` below ``ID_COUNT``. ``before_release(pid)`` (run in a thread)
+    then finishes the namespace's setup before bubblewrap goes on (``_idmap``).
 
     Returns:
         The child's host pid.
@@ -278,6 +284,12 @@ async def map_ids(info_r: int, block_w: int, timeout: float) -> int:
         for kind in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{kind}", "w") as f:
                 f.write(f"0 {ID_BASE} {ID_COUNT}\n")
+    except (ValueError, KeyError, OSError) as exc:
+        raise errors.SandboxStartError(f"bubblewrap's user namespace could not be mapped: {exc} "
+                                       f"(info: {buf[:200]!r})") from None
+    if before_release is not None:
+        await asyncio.to_thread(before_release, pid)
+    try:
         os.write(block_w, b"1")
     except (ValueError, KeyError, OSError) as exc:
         raise errors.SandboxStartError(f"bubblewrap's user namespace could not be mapped: {exc} "

@@ -5,6 +5,10 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
 * no network (``--unshare-all``; ``ResourceLimits.network`` shares it back), its own pid,
   ipc, uts, user and cgroup namespaces, ``--die-with-parent``, ``--new-session``, and no
   nested user namespaces;
+* root inside is no one outside: the user namespace maps into the unprivileged id range OCI
+  sandboxes use (uid 1000 inside is host uid 101000; ``_idmap``), bubblewrap itself runs as
+  that uid, and the repo's lower layer is a copy of the image's repo owned by it; so what a
+  rollout writes, setuid bits included, belongs to no host user;
 * a read-only view of the host's ``/usr`` (the toolchain), the image's interpreter and venv,
   and nothing of the host's home, work trees or environment (``--clearenv``);
 * the image's repo at ``/testbed`` as an overlayfs whose upper layer is private to the
@@ -60,7 +64,7 @@ from pathlib import Path, PurePosixPath
 from pydantic import BaseModel, ValidationError
 
 from sandpool.core import errors
-from sandpool.core.backends import _cgroup, _oci, _overlay, _quota
+from sandpool.core.backends import _cgroup, _idmap, _oci, _overlay, _quota
 from sandpool.core.backends._agent_client import exec_result
 from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox
 from sandpool.core.images import ID_BASE, ImageStore, OciImage
@@ -78,7 +82,7 @@ _AGENT = Path(__file__).with_name("_agent.py")
 _AGENT_IN_SANDBOX = "/opt/sandpool/agent.py"
 _WORK_CGROUP_IN_SANDBOX = "/opt/sandpool/work-cgroup"
 _IMAGE_IN_SANDBOX = "/opt/sandpool/image"
-_SANDBOX_UID = 1000
+_SANDBOX_UID = _idmap.SANDBOX_UID
 _TRANSPORT_GRACE_S = 10.0
 _STREAM_LIMIT = 256 << 20  # bytes; one response line carries a whole (base64) output
 
@@ -565,7 +569,8 @@ class LocalBackend(Backend):
             # The agent is the sandbox's pid 1: no process inside shares its pipes (see _agent).
             "--as-pid-1",
             "--uid", str(_SANDBOX_UID), "--gid", str(_SANDBOX_UID),
-            "--disable-userns",
+            # The host disabled nested user namespaces (_idmap.disable_nested_userns); check.
+            "--assert-userns-disabled",
             "--hostname", "sandbox",
             "--clearenv",
             "--ro-bind", "/usr", "/usr",
@@ -648,7 +653,9 @@ class LocalBackend(Backend):
         sid = f"sb-{self.run_id}-{next(self._seq)}"
         state = self._run_dir / sid
         oci = isinstance(img, OciImage)
-        pass_fds: tuple[int, ...] = ()
+        if not oci:  # the lower layer is the repo's copy owned by the sandbox's uid (_idmap)
+            img = img.model_copy(update={"repo": str(await _offload_ret(_idmap.shifted_repo, img.repo))})
+        pass_fds: list[int] = []  # the child's ends, closed once it is spawned
         info_r = block_w = -1
         try:
             state.mkdir(parents=True)
@@ -657,7 +664,7 @@ class LocalBackend(Backend):
                 disk = state / "disk"
                 disk.mkdir()
                 tpl = await _offload_ret(_quota.template, self.limits.disk_bytes)
-                await _quota.attach(tpl, state / "disk.img", disk, ID_BASE if oci else 0)
+                await _quota.attach(tpl, state / "disk.img", disk, ID_BASE if oci else _idmap.HOST_UID)
                 upper, work, tmp = disk / "upper", disk / "work", disk / "tmp"
             else:
                 upper.mkdir()
@@ -666,17 +673,20 @@ class LocalBackend(Backend):
                     os.chown(upper, ID_BASE, ID_BASE)
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
             work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
+            # The agent (host uid ID_BASE + its uid inside) moves its commands there.
+            agent_id = (ID_BASE + img.uid, ID_BASE + img.gid) if oci else (_idmap.HOST_UID,) * 2
+            for f in work_procs:
+                os.chown(f, *agent_id)
+            info_r, info_w = os.pipe()
+            pass_fds.append(info_w)
+            block_r, block_w = os.pipe()
+            pass_fds.append(block_r)
             if oci:
-                for f in work_procs:  # the agent (host uid ID_BASE + User) moves its commands there
-                    os.chown(f, ID_BASE + img.uid, ID_BASE + img.gid)
                 pub = _oci.prepare_host(self.run_id, _AGENT)
                 root = pub / sid / "root"
                 root.mkdir(parents=True)
                 lowers = _oci.lowerdirs(self.store, img, _oci.skeleton(self._run_dir))
                 mount_overlay(lowers, upper, work, root)
-                info_r, info_w = os.pipe()
-                block_r, block_w = os.pipe()
-                pass_fds = (info_w, block_r)
                 view = _oci.image_view(pub, self.store, img)
                 argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
                                        block_fd=block_r, info_fd=info_w, work_procs=work_procs,
@@ -687,6 +697,7 @@ class LocalBackend(Backend):
                 # The merged root takes the upper root's attributes: make them the image's, so
                 # the fresh repo is identical to the image's down to its root directory.
                 lst = os.stat(img.repo)
+                os.chown(upper, lst.st_uid, lst.st_gid)
                 os.chmod(upper, stat.S_IMODE(lst.st_mode))
                 os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
                 mount_overlay([img.repo], upper, work, merged)
@@ -694,7 +705,11 @@ class LocalBackend(Backend):
                 svc = (state / "disk" if self.limits.disk_bytes else state) / "service"
                 if self.service is not None:
                     svc.mkdir()
-                argv = self._bwrap_argv(img, merged, tmp, work_procs, svc)
+                    os.chown(svc, _idmap.HOST_UID, _idmap.HOST_UID)
+                argv = _idmap.publish_binds(self._bwrap_argv(img, merged, tmp, work_procs, svc)[1:],
+                                            _oci.public_dir(self.run_id) / sid)
+                argv = [*_idmap.as_host_id(_idmap.HOST_UID), self.bwrap, "--userns-block-fd", str(block_r),
+                        "--info-fd", str(info_w), *argv]
             stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -711,14 +726,14 @@ class LocalBackend(Backend):
                 )
             finally:
                 stderr.close()
-                for fd in pass_fds:
-                    os.close(fd)
         except OSError as exc:
-            for fd in (info_r, block_w):
+            for fd in (info_r, block_w, *pass_fds):
                 if fd >= 0:
                     os.close(fd)
             self._cleanup_state(sid, state)
             raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
+        for fd in pass_fds:
+            os.close(fd)
         sandbox = LocalSandbox(sid, img, proc, state, upper)
         if oci:
             sandbox.lowers = lowers
@@ -727,12 +742,12 @@ class LocalBackend(Backend):
                 sandbox._image_in_sandbox = _oci.IMAGE_IN_SANDBOX
         self._live[sid] = sandbox
         try:
-            if oci:
-                try:
-                    await _oci.map_ids(info_r, block_w, self.start_timeout)
-                finally:
-                    os.close(info_r)
-                    os.close(block_w)
+            try:
+                await _oci.map_ids(info_r, block_w, self.start_timeout,
+                                   before_release=None if oci else _idmap.disable_nested_userns)
+            finally:
+                os.close(info_r)
+                os.close(block_w)
             await sandbox._wait_ready(self.start_timeout)
             if self.service is not None:
                 await self._start_service(sandbox, svc)
@@ -832,7 +847,8 @@ def _unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
     _umount(state / "merged")
     root = _oci.public_dir(run_id) / sid
     _umount(root / "root")
-    shutil.rmtree(root, ignore_errors=True)
+    if _idmap.unpublish(root):  # never recursively through a bind still mounted
+        shutil.rmtree(root, ignore_errors=True)
     _quota.detach(state / "disk", state / "disk.img")
 
 
