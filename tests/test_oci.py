@@ -74,8 +74,10 @@ async def test_image_config_env_and_workdir_are_honoured(oci_backend: LocalBacke
 
 async def test_root_inside_is_an_unprivileged_uid_outside(oci_backend: LocalBackend) -> None:
     sb = await oci_backend.create(SWE_IMAGE)
-    res = await sb.exec("id -u; touch /root/made-by-root; touch /.sandpool/usr/x", cwd="/")
-    assert res.text.split()[0] == "0"
+    res = await sb.exec("id -u; touch /root/made-by-root; touch /.sandpool/usr/x; "
+                        "unshare -U true && echo NESTED", cwd="/")
+    assert res.text.split() == ["0"]
+    assert "unshare failed: No space left on device" in res.err_text  # no nested user namespace
     assert "Read-only file system" in res.err_text  # the host's /usr is mounted read-only
     assert os.stat(sb.upper / "root" / "made-by-root").st_uid == ID_BASE
     host_uids = set()

@@ -98,6 +98,8 @@ async def test_everything_a_sandbox_writes_is_owned_by_an_unprivileged_host_id(p
         for refused in ("CHOWNED", "CHGRPED", "SETUID0", "NESTED"):
             assert refused not in res.text, res.text
         tracked = res.text.split("TRACKED ")[1].split()[0]
+        res = await sb.exec("unshare -U true")  # refused: the namespace allows no nested one
+        assert "unshare failed: No space left on device" in res.err_text, res.err_text
         made = _sandbox_made(sb)
         names = {os.path.basename(p) for p, _ in made}
         assert {"evil-suid", "evil-sgid", "evil-both", "evil-dir", "evil-hard", "evil-fifo",

@@ -8,7 +8,7 @@ below ``ID_BASE``. What it writes (the overlay's upper layer, ``/tmp``, ``/dev/s
 service's directory) is owned by that id on the host, and a setuid bit it sets makes a setuid
 binary of an unprivileged id, never of host root.
 
-Three pieces make that work, each done the way the OCI path does it:
+Three pieces make that work, each done the way the OCI path does it (the third for both):
 
 * The image's repo, the overlay's lower layer, must be owned by the sandbox user as it was
   when uid 1000 inside was host root (else the policy could not edit its checkout):

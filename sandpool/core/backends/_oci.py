@@ -12,9 +12,9 @@ How one OCI sandbox is laid out (the local backend calls these helpers):
   as host root, writes ``0 ID_BASE ID_COUNT`` to its uid and gid maps: uid 0 inside is host
   uid ``ID_BASE``, which owns nothing outside the image's layers and the sandbox's upper. The
   layers were unpacked with the same shift, so root inside owns the image's root files.
-  Commands hold no capabilities. Nested user namespaces stay possible (bubblewrap cannot
-  combine ``--disable-userns`` with ``--userns-block-fd``); any they create maps into the same
-  unprivileged range, so they grant nothing on the host.
+  Commands hold no capabilities. Nested user namespaces are disabled by the host before it
+  releases bubblewrap (``_idmap.disable_nested_userns``: bubblewrap cannot combine
+  ``--disable-userns`` with ``--userns-block-fd``), and bubblewrap asserts it.
 * The agent is the one ``_agent.py`` every local sandbox runs, executed by the *host's*
   Python, mounted read-only and started through the host's dynamic loader with an explicit
   library path (``ld.so --library-path ... python -I agent.py``). The agent therefore needs
@@ -38,11 +38,11 @@ import stat
 import struct
 import sys
 import sysconfig
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from sandpool.core import errors
-from sandpool.core.backends._idmap import as_host_id
+from sandpool.core.backends._idmap import as_host_id, disable_nested_userns, unpublish
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
 from sandpool.core.mounts import bind_ro, mount_overlay, umount
@@ -180,6 +180,7 @@ def release_host(pub: Path) -> None:
     """Unmount whatever is mounted under ``pub`` and remove it; never raises."""
     if not pub.is_dir():
         return
+    left = False
     for child in pub.iterdir():
         if child.name.startswith("img-"):
             umount(child)
@@ -187,7 +188,9 @@ def release_host(pub: Path) -> None:
             umount(child / "python")
         else:
             umount(child / "root")
-    shutil.rmtree(pub, ignore_errors=True)
+            left |= not unpublish(child)
+    if not left:  # never recursively through a bind still mounted
+        shutil.rmtree(pub, ignore_errors=True)
 
 
 def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path,
@@ -209,6 +212,7 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
         *(["--share-net"] if limits.network else []),
         "--die-with-parent", "--new-session",
+        "--assert-userns-disabled",  # the host disabled them (_idmap.disable_nested_userns)
         "--as-pid-1",  # the agent is the sandbox's pid 1: no process inside shares its pipes
         # bubblewrap is uid 0 inside (the map); a non-root ``User`` is reached below, by setpriv.
         "--uid", "0", "--gid", "0",
@@ -244,13 +248,12 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
     return argv
 
 
-async def map_ids(info_r: int, block_w: int, timeout: float,
-                  before_release: Callable[[int], None] | None = None) -> int:
+async def map_ids(info_r: int, block_w: int, timeout: float) -> int:
     """Wait for bubblewrap's child pid on ``info_r``, write its id maps, then release it.
 
     Every local sandbox's user namespace is mapped here: uid/gid ``n`` inside is host
-    ``ID_BASE + n``, for ``n`` below ``ID_COUNT``. ``before_release(pid)`` (run in a thread)
-    then finishes the namespace's setup before bubblewrap goes on (``_idmap``).
+    ``ID_BASE + n``, for ``n`` below ``ID_COUNT``; then nested user namespaces are disabled
+    (``_idmap.disable_nested_userns``) before bubblewrap goes on.
 
     Returns:
         The child's host pid.
@@ -287,8 +290,7 @@ async def map_ids(info_r: int, block_w: int, timeout: float,
     except (ValueError, KeyError, OSError) as exc:
         raise errors.SandboxStartError(f"bubblewrap's user namespace could not be mapped: {exc} "
                                        f"(info: {buf[:200]!r})") from None
-    if before_release is not None:
-        await asyncio.to_thread(before_release, pid)
+    await asyncio.to_thread(disable_nested_userns, pid)
     try:
         os.write(block_w, b"1")
     except (ValueError, KeyError, OSError) as exc:

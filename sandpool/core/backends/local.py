@@ -553,8 +553,11 @@ class LocalBackend(Backend):
         return img
 
     async def hydrate(self, image: str) -> None:
-        """Verify that local image ``image`` is built; see :meth:`image`."""
-        self.image(image)
+        """Verify that local image ``image`` is built (see :meth:`image`), and make its repo's
+        copy owned by the sandbox's uid (``_idmap.shifted_repo``) so no create waits for it."""
+        img = self.image(image)
+        if isinstance(img, LocalImage):
+            await _offload_ret(_idmap.shifted_repo, img.repo)
 
     def _bwrap_argv(self, img: LocalImage, merged: Path, tmp: Path | None,
                     work_procs: Sequence[str] = (), service_dir: Path | None = None) -> list[str]:
@@ -743,8 +746,7 @@ class LocalBackend(Backend):
         self._live[sid] = sandbox
         try:
             try:
-                await _oci.map_ids(info_r, block_w, self.start_timeout,
-                                   before_release=None if oci else _idmap.disable_nested_userns)
+                await _oci.map_ids(info_r, block_w, self.start_timeout)
             finally:
                 os.close(info_r)
                 os.close(block_w)
