@@ -424,3 +424,88 @@ def test_template_pods_require_their_planned_node():
     assert term["nodeSelectorTerms"][0]["matchExpressions"] == [
         {"key": "kubernetes.io/hostname", "operator": "In", "values": ["kwok-node-3"]}
     ]
+
+
+@pytest.fixture
+async def flaky_exec_server():
+    """A loopback API server whose pod-exec upgrades are answered by ``answers`` (status,
+    headers) first, then upgraded to a ``v5.channel.k8s.io`` WebSocket that ends at once with
+    a ``Success`` status frame."""
+    answers: list[tuple[int, dict[str, str]]] = []
+    seen: list[float] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seen.append(time.monotonic())
+        if answers:
+            status, headers = answers.pop(0)
+            return web.json_response({"kind": "Status", "code": status}, status=status,
+                                     headers=headers)
+        ws = web.WebSocketResponse(protocols=("v5.channel.k8s.io",))
+        await ws.prepare(request)
+        await ws.send_bytes(b"\x03" + json.dumps({"status": "Success"}).encode())
+        await ws.close()
+        return ws
+
+    app = web.Application()
+    app.router.add_route("GET", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    client = ApiClient(configuration=Configuration(host=f"http://127.0.0.1:{port}"))
+    try:
+        yield client, answers, seen
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+_EXEC_PATH = "/api/v1/namespaces/ns/pods/p/exec"
+
+
+async def test_exec_handshakes_are_retried_on_429_and_5xx_honouring_retry_after_and_counted(
+    flaky_exec_server,
+):
+    from prometheus_client import CollectorRegistry
+
+    from sandpool.core.telemetry import PoolMetrics, Telemetry
+
+    client, answers, seen = flaky_exec_server
+    answers += [(429, {"Retry-After": "0.3"}), (503, {}), (500, {})]
+    http = KubeHttp(client, Throttle(100, 100, 10), retries=3)
+    metrics = PoolMetrics(CollectorRegistry())
+    http.telemetry = Telemetry(metrics, backend="kubernetes", strategy="reuse")
+    ws = await http.ws_connect(_EXEC_PATH, [("command", "true")], ("v5.channel.k8s.io",))
+    try:
+        assert ws.protocol == "v5.channel.k8s.io"
+    finally:
+        await ws.close()
+    assert len(seen) == 4 and seen[1] - seen[0] >= 0.3  # Retry-After was the first wait
+    assert http.retried == 3 and http.execs == 1  # only the opened stream counts as one
+    value = metrics.registry.get_sample_value
+    assert value("sandpool_kube_api_retries_total", {"status": "429"}) == 1
+    assert value("sandpool_kube_api_retries_total", {"status": "5xx"}) == 2
+
+
+async def test_exec_handshakes_past_the_retry_budget_are_an_infra_error_never_the_policys(
+    flaky_exec_server,
+):
+    from sandpool.core.classify import Verdict, classify
+
+    client, answers, seen = flaky_exec_server
+    answers += [(429, {"Retry-After": "0"})] * 3
+    http = KubeHttp(client, Throttle(100, 100, 10), retries=2)
+    with pytest.raises(errors.ExecTransportError, match=r"HTTP 429.*after 2 retries") as info:
+        await http.ws_connect(_EXEC_PATH, [("command", "true")], ("v5.channel.k8s.io",))
+    assert len(seen) == 3 and http.execs == 0
+    assert classify(info.value) is Verdict.INFRA and not classify(info.value).scored
+
+
+async def test_a_pod_gone_on_the_exec_handshake_is_not_retried(flaky_exec_server):
+    client, answers, seen = flaky_exec_server
+    answers += [(404, {})]
+    http = KubeHttp(client, Throttle(100, 100, 10), retries=3)
+    with pytest.raises(errors.SandboxDied):
+        await http.ws_connect(_EXEC_PATH, [("command", "true")], ("v5.channel.k8s.io",))
+    assert len(seen) == 1 and http.retried == 0

@@ -12,7 +12,7 @@ HTTP 401 / 403                             -> BackendUnavailable (RBAC or creden
 HTTP 404 on exec                           -> SandboxDied (the pod is gone)
 HTTP 400 / 422                             -> ConfigError (the manifest was rejected)
 HTTP 409                                   -> ApiError (conflict)
-HTTP 429 / 5xx after retries               -> ApiError
+HTTP 429 / 5xx after retries               -> ApiError (REST) / ExecTransportError (exec)
 aiohttp.WSServerHandshakeError             -> by its status, as above; else ExecTransportError
 aiohttp.ClientConnectionError, OSError     -> ApiError (REST/watch) / ExecTransportError (exec)
 aiohttp.ClientPayloadError, WebSocketError,

@@ -289,11 +289,29 @@ class KubeHttp:
         *,
         connect_timeout: float = 30.0,
     ) -> aiohttp.ClientWebSocketResponse:
-        """Open a WebSocket to ``path`` (the exec subresource), retrying 429/5xx handshakes.
+        """Open a WebSocket to ``path`` (the exec subresource), retrying as :meth:`request` does.
+
+        A handshake answered 429 (a throttling proxy or API gateway in front of the API server;
+        kube-apiserver itself exempts exec from APF) or 5xx (500 when the API server cannot dial
+        the node's kubelet), or a refused or reset connection, is retried
+        up to ``retries`` times with the same backoff, a ``Retry-After`` header setting the
+        wait; every retry is counted in ``retried`` and in ``sandpool_kube_api_retries_total``.
+        Only an opened stream counts in ``execs``. Used by the agent session's one stream, the
+        per-command fallback exec and so its file transfer.
+
+        Args:
+            path: The exec subresource's path.
+            query: Its query (container, stdin/stdout/stderr, command...).
+            protocols: The channel subprotocols offered, preferred first.
+            connect_timeout: Seconds one handshake may take (a timeout is not retried).
+
+        Returns:
+            The open WebSocket.
 
         Raises:
             SandboxDied: 404, the pod is gone.
-            ExecTransportError: The handshake failed after retries.
+            ExecTransportError: The handshake failed (after ``retries`` retries for 429/5xx
+                and connection errors); an infra error, so the rollout is retried, never scored.
             BackendUnavailable: 401/403.
         """
         url = self.host.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
@@ -302,9 +320,9 @@ class KubeHttp:
         attempt = 0
         while True:
             attempt += 1
+            retry_after = status = None
             try:
-                self.execs += 1
-                return await asyncio.wait_for(
+                ws = await asyncio.wait_for(
                     self.session.ws_connect(
                         url,
                         protocols=protocols,
@@ -314,13 +332,35 @@ class KubeHttp:
                     ),
                     connect_timeout,
                 )
+                self.execs += 1
+                return ws
             except aiohttp.WSServerHandshakeError as exc:
-                if exc.status not in RETRY_STATUSES or attempt > 3:
-                    raise translate(exc, what, channel=Channel.EXEC) from exc
+                status = exc.status
+                if status not in RETRY_STATUSES or attempt > self.retries:
+                    raise _after(translate(exc, what, channel=Channel.EXEC), attempt) from exc
+                retry_after = parse_retry_after((exc.headers or {}).get("Retry-After"))
             except (aiohttp.ClientConnectionError, OSError) as exc:
-                if attempt > 3:
-                    raise translate(exc, what, channel=Channel.EXEC) from exc
+                if attempt > self.retries:
+                    raise _after(translate(exc, what, channel=Channel.EXEC), attempt) from exc
             except Exception as exc:  # noqa: BLE001 - translated at this one boundary
                 raise translate(exc, what, channel=Channel.EXEC) from exc
-            self.retried += 1
-            await asyncio.sleep(backoff_delay(attempt))
+            await self.retry_wait(attempt, status, retry_after)
+
+    async def retry_wait(
+        self, attempt: int, status: int | None, retry_after: float | None = None
+    ) -> bool:
+        """Count a retry after failed ``attempt`` (1-based; ``status`` None: a connection error)
+        and wait its backoff; return False, without waiting, when ``retries`` are spent."""
+        if attempt > self.retries:
+            return False
+        self.retried += 1
+        self.telemetry.api_retry(status)
+        await asyncio.sleep(backoff_delay(attempt, retry_after=retry_after))
+        return True
+
+
+def _after(err: errors.SandpoolError, attempt: int) -> errors.SandpoolError:
+    """``err`` with the retries spent before it in its message (none: unchanged)."""
+    if attempt <= 1 or not isinstance(err, errors.ExecTransportError):
+        return err
+    return errors.ExecTransportError(f"{err} (after {attempt - 1} retries)")

@@ -108,7 +108,8 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             of a sandbox never open API-server streams of their own; see :mod:`._session`).
             False, or an image where the agent cannot start (no ``agent_python``; logged once
             per image, counted in ``api_stats["agent_fallbacks"]``), uses one pod exec per
-            command (:mod:`._exec`).
+            command (:mod:`._exec`); every such sandbox counts in
+            ``api_stats["fallback_sandboxes"]`` and ``sandpool_kube_exec_fallbacks_total``.
         agent_python: The interpreter command that runs the agent in the image.
         agent_timeout: Seconds the agent may take to say it is ready before the fallback.
         sandbox_objects: With a reusing strategy, make each held sandbox an agent-sandbox
@@ -117,6 +118,10 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         delete_batch_s: Batch deletes: a deleted sandbox's object is removed with the others
             of the next ``delete_batch_s`` seconds in one collection delete (by the
             per-object label ``sandpool.io/obj``); None deletes each at once.
+        api_retries: Retries after the first attempt of every API request on 429, 5xx
+            (honouring ``Retry-After``) and connection errors: REST, and exec handshakes (the
+            agent session's stream, per-command exec, file transfer over it). Past them the
+            error is an infra error (``ApiError``, ``ExecTransportError``).
     """
 
     name = "kubernetes"
@@ -148,6 +153,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         agent_timeout: float = 30.0,
         sandbox_objects: bool = False,
         delete_batch_s: float | None = None,
+        api_retries: int = 6,
     ) -> None:
         if mode not in _MODES:
             raise errors.ConfigError(f"mode={mode!r} is not known; use one of {list(_MODES)}")
@@ -175,10 +181,14 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         self.agent = agent
         self.agent_python = agent_python
         self.agent_timeout = agent_timeout
-        self.agent_fallbacks = 0
+        self.agent_fallbacks = 0  # images whose agent could not start
+        self.fallback_sandboxes = 0  # sandboxes whose commands each open a pod exec
         self._agent_unavailable: dict[str, str] = {}  # image -> why the agent cannot run
         self.sandbox_objects = sandbox_objects
         self.delete_batch_s = delete_batch_s
+        if api_retries < 0:
+            raise errors.ConfigError(f"api_retries={api_retries} must be 0 or more")
+        self.api_retries = api_retries
         self._direct: set[str] = set()  # images whose sandboxes are Sandbox objects
         self._pending_deletes: dict[str, set[str]] = {}  # resource -> names (batched)
         self._flusher: asyncio.Task[None] | None = None
@@ -213,7 +223,9 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
     @property
     def api_stats(self) -> dict[str, Any]:
         """Requests sent, by kind: writes (and ``writes_by`` verb and resource), reads, exec
-        streams, agent fallbacks, retries, in-flight peak."""
+        streams opened, agent fallbacks (images whose agent could not start), fallback
+        sandboxes (whose commands each open a pod exec), retries (REST, watch and exec
+        handshakes), in-flight peak."""
         h = self._http
         if h is None:
             return {}
@@ -222,6 +234,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             "reads": h.reads,
             "execs": h.execs,
             "agent_fallbacks": self.agent_fallbacks,
+            "fallback_sandboxes": self.fallback_sandboxes,
             "retried": h.retried,
             "inflight_peak": self.throttle.inflight_peak,
             "writes_by": dict(h.writes_by),
@@ -258,7 +271,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
                     raise translate(exc, f"loading kubeconfig {path}") from exc
                 cfg.connection_pool_maxsize = 0  # unbounded sockets: the Throttle bounds REST
                 self._client = ApiClient(configuration=cfg)
-                self._http = KubeHttp(self._client, self.throttle)
+                self._http = KubeHttp(self._client, self.throttle, retries=self.api_retries)
                 self._http.telemetry = self.telemetry  # the pool's (set when it took this backend)
         return self._http
 
