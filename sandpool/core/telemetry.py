@@ -33,6 +33,8 @@ series                                     type       labels (besides backend, s
                                                       resetting, quarantined)
 ``sandpool_kube_api_writes_total``         counter    ``verb``, ``resource`` (no backend/strategy)
 ``sandpool_kube_api_retries_total``        counter    ``status`` (``429``, ``5xx``, ``connection``)
+``sandpool_kube_exec_fallbacks_total``     counter    ``reason`` (``agent_unavailable``, ``agent_off``):
+                                                      sandboxes whose commands each open a pod exec
 =========================================  =========  ==================================================
 
 ``quarantined`` in ``sandpool_sandboxes`` counts sandboxes removed after a failed reset whose
@@ -112,6 +114,9 @@ class PoolMetrics:
                                   registry=r)
         self.api_retries = Counter("sandpool_kube_api_retries", "Kubernetes API requests retried, "
                                    "by cause", ("status",), registry=r)
+        self.exec_fallbacks = Counter("sandpool_kube_exec_fallbacks", "Kubernetes sandboxes "
+                                      "whose commands fall back to one pod exec each, by reason",
+                                      ("reason",), registry=r)
         self._pools: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
         r.register(_PoolSizes(self._pools))
         self._server: Any = None
@@ -267,6 +272,12 @@ class Telemetry:
         if self.metrics is not None:
             cause = "connection" if status is None else ("429" if status == 429 else "5xx")
             self.metrics.api_retries.labels(cause).inc()
+
+    def exec_fallback(self, reason: str) -> None:
+        """A Kubernetes sandbox runs its commands as one pod exec each (``reason``:
+        ``agent_unavailable``, the agent cannot run in its image; ``agent_off``, disabled)."""
+        if self.metrics is not None:
+            self.metrics.exec_fallbacks.labels(reason).inc()
 
     # -- spans -----------------------------------------------------------------------------
 

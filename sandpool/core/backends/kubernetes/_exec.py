@@ -24,6 +24,7 @@ The command runs under a small POSIX-sh wrapper (:data:`WRAPPER`), in the pod:
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import signal
@@ -37,10 +38,10 @@ from sandpool.core.backends.kubernetes._errors import Channel, translate
 from sandpool.core.backends.kubernetes._http import KubeHttp
 from sandpool.core.base import ExecResult
 
-__all__ = ["PROTOCOLS", "ExecTarget", "parse_status", "run_exec"]
+__all__ = ["PROTOCOLS", "ExecTarget", "parse_status", "run_exec", "unreached"]
 
 PROTOCOLS = ("v5.channel.k8s.io", "v4.channel.k8s.io")
-_STDOUT, _STDERR, _STATUS, _CLOSE = 1, 2, 3, 255
+_STDOUT, _STDERR, _STATUS = 1, 2, 3
 _EXIT_STATUS = re.compile(r"exit status (\d+)")
 _SIGNALLED = re.compile(r"signal: (\w[\w ]*)")
 #: Exit code the wrapper uses when it cannot set up the sandbox view (mounts, cwd).
@@ -153,6 +154,33 @@ def parse_status(raw: bytes | None) -> tuple[int | None, str]:
     return None, msg
 
 
+_UNREACHED = re.compile(r"error dialing backend|error sending request|dial tcp")
+
+
+def unreached(raw: bytes | None) -> str | None:
+    """The message of a status frame saying the API server could not reach the pod's node.
+
+    With the node's kubelet down or unreachable, kube-apiserver still upgrades the exec
+    stream, then ends it with a ``Failure`` status (``InternalError``, code 500: "error
+    dialing backend: dial tcp ..."; kwok's "error sending request: ... dial tcp ...") and no
+    exit code: the command never started, so running it again cannot run it twice.
+
+    Returns:
+        The status message, or None for any other status (an exit code, a failure after the
+        command started, no or garbled status).
+    """
+    try:
+        st = json.loads(raw or b"")
+    except ValueError:
+        return None
+    if not isinstance(st, dict) or st.get("status") != "Failure":
+        return None
+    if any(c.get("reason") == "ExitCode" for c in (st.get("details") or {}).get("causes") or []):
+        return None
+    msg = str(st.get("message", ""))
+    return msg if _UNREACHED.search(msg) else None
+
+
 def build_argv(
     target: ExecTarget,
     exec_id: str,
@@ -184,41 +212,23 @@ def build_argv(
     ]
 
 
-async def run_exec(
-    http: KubeHttp,
-    target: ExecTarget,
-    argv: list[str],
-    *,
-    timeout: float,
-    max_output: int,
-    grace: float = 15.0,
-) -> tuple[ExecResult, str]:
-    """Run ``argv`` in the pod; return the result and the negotiated protocol.
-
-    Args:
-        http: The HTTP layer.
-        target: The pod.
-        argv: The full argv (from :func:`build_argv`).
-        timeout: The command's server-side timeout in seconds; sets ``timed_out``.
-        max_output: Bytes kept of each of stdout and stderr.
-        grace: Seconds past ``timeout`` the stream may take to end before it counts as broken.
+async def _drain(
+    ws: aiohttp.ClientWebSocketResponse, what: str, t0: float, timeout: float, grace: float,
+    cap: int,
+) -> tuple[bytearray, bytearray, bool, bool, bytes | None]:
+    """Read one exec stream to its end: (stdout, stderr, stdout cut, stderr cut, status
+    frame); at most ``cap`` bytes of each stream are kept (the wrapper caps; this only bounds
+    memory). Closes ``ws``.
 
     Raises:
-        SandboxDied: The pod is gone (404 on the handshake).
-        ExecTransportError: The stream failed or ended without a status.
+        ExecTransportError: The stream broke, or did not end ``timeout + grace`` seconds
+            after ``t0`` (monotonic).
     """
-    query = [("container", target.container), ("stdout", "true"), ("stderr", "true")]
-    query += [("command", a) for a in argv]
-    path = f"/api/v1/namespaces/{target.namespace}/pods/{target.pod}/exec"
-    what = f"exec in {target.namespace}/{target.pod}"
-    t0 = time.monotonic()
-    ws = await http.ws_connect(path, query, PROTOCOLS)
+    deadline = t0 + timeout + grace
     out, err = bytearray(), bytearray()
     out_cut = err_cut = False
-    cap = max_output + 4096  # the wrapper caps; this only bounds memory (room for the trailer)
     status: bytes | None = None
     try:
-        deadline = t0 + timeout + grace
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -249,14 +259,58 @@ async def run_exec(
                 err_cut |= len(payload) > room
             elif ch == _STATUS:
                 status = (status or b"") + payload
-            elif ch == _CLOSE:
-                continue
     except errors.SandpoolError:
         raise
     except Exception as exc:  # noqa: BLE001 - translated at this one boundary
         raise translate(exc, what, channel=Channel.EXEC) from exc
     finally:
         await ws.close()
+    return out, err, out_cut, err_cut, status
+
+
+async def run_exec(
+    http: KubeHttp,
+    target: ExecTarget,
+    argv: list[str],
+    *,
+    timeout: float,
+    max_output: int,
+    grace: float = 15.0,
+) -> tuple[ExecResult, str]:
+    """Run ``argv`` in the pod; return the result and the negotiated protocol.
+
+    Args:
+        http: The HTTP layer.
+        target: The pod.
+        argv: The full argv (from :func:`build_argv`).
+        timeout: The command's server-side timeout in seconds; sets ``timed_out``.
+        max_output: Bytes kept of each of stdout and stderr.
+        grace: Seconds past ``timeout`` the stream may take to end before it counts as broken.
+
+    Raises:
+        SandboxDied: The pod is gone (404 on the handshake).
+        ExecTransportError: The stream failed or ended without a status; or the API server
+            could not reach the pod's node (:func:`unreached`) on every attempt of the HTTP
+            layer's retry budget (each retry counted as :meth:`KubeHttp.ws_connect`'s are).
+    """
+    query = [("container", target.container), ("stdout", "true"), ("stderr", "true")]
+    query += [("command", a) for a in argv]
+    path = f"/api/v1/namespaces/{target.namespace}/pods/{target.pod}/exec"
+    what = f"exec in {target.namespace}/{target.pod}"
+    for attempt in itertools.count(1):
+        t0 = time.monotonic()
+        ws = await http.ws_connect(path, query, PROTOCOLS)
+        out, err, out_cut, err_cut, status = await _drain(
+            ws, what, t0, timeout, grace, max_output + 4096
+        )
+        if out or err or (why := unreached(status)) is None:
+            break
+        # The command never started: retried within the HTTP layer's budget, like a handshake.
+        if not await http.retry_wait(attempt, 500):
+            raise errors.ExecTransportError(
+                f"{what}: the API server could not reach the pod's node after "
+                f"{attempt - 1} retries: {why[:300]}"
+            )
     duration = time.monotonic() - t0
     try:
         code, message = parse_status(status)

@@ -214,9 +214,29 @@ class PodsMixin:
         self._by_pod[pod_name] = sb
         if why := pod_death(self._pods.get(pod_name), sb.pod_uid):
             sb._mark_dead(why)
-        elif self.agent and image not in self._agent_unavailable:
-            await self._open_session(sb)
+        elif not self.agent:
+            self._exec_fallback(sb, "agent_off")
+        elif image in self._agent_unavailable:
+            self._exec_fallback(sb, "agent_unavailable")
+        else:
+            try:
+                await self._open_session(sb)
+            except BaseException:  # the caller deletes its object; this sandbox never was
+                self._live.pop(sb.id, None)
+                self._by_pod.pop(pod_name, None)
+                raise
         return sb
+
+    def _exec_fallback(self: KubernetesBackend, sb: KubernetesSandbox, reason: str) -> None:
+        """Record that ``sb`` runs its commands as one pod exec each: counted per sandbox in
+        ``api_stats["fallback_sandboxes"]`` and ``sandpool_kube_exec_fallbacks_total{reason}``,
+        logged (debug) per sandbox; the per-image warning is :meth:`_open_session`'s."""
+        self.fallback_sandboxes += 1
+        self.telemetry.exec_fallback(reason)
+        if reason == "agent_off" and self.fallback_sandboxes == 1:
+            log.info("agent=False: every command of run %s's sandboxes opens a pod exec (an "
+                     "API-server stream)", self.run_id)
+        log.debug("sandbox %s (pod %s): one pod exec per command (%s)", sb.id, sb.pod, reason)
 
     async def _open_session(self: KubernetesBackend, sb: KubernetesSandbox) -> None:
         """Start ``sb``'s agent session; on failure fall back to one exec per command (logged
@@ -235,6 +255,7 @@ class PodsMixin:
                 sb.image,
                 exc,
             )
+            self._exec_fallback(sb, "agent_unavailable")
             return
         sb._session = session
         sb.protocol = session.protocol

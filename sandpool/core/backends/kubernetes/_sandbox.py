@@ -115,7 +115,11 @@ class KubernetesSandbox(Sandbox):
         return f"<KubernetesSandbox {self.id} pod={self.pod} claim={self.claim} {state}>"
 
     def alive(self) -> bool:
-        """False once the shared pod watch saw the pod deleted, evicted, failed or replaced."""
+        """False once the shared pod watch saw the pod deleted, evicted, failed or replaced, or
+        once its agent session's stream ended (an API server restart, a reset connection): a
+        sandbox whose session is half-dead is never reused; the pool replaces it."""
+        if self._session is not None and not self._session.alive:
+            return False
         return self._dead is None
 
     def _mark_dead(self, reason: str) -> None:

@@ -10,12 +10,46 @@ one stream per sandbox lifetime, not one per command.
 Frames (``v5``/``v4.channel.k8s.io``): the client sends stdin as binary frames prefixed by
 channel byte 0, in chunks of :data:`_CHUNK` bytes; stdout (1) feeds the agent client,
 stderr (2) is kept (the last 4 KiB) to explain a failed start, status (3) ends the session.
+
+A session that ends while its sandbox lives (API server restart, reset connection, the node's
+kubelet gone) fails every pending and later call with ``ExecTransportError`` (infra: the
+rollout is retried, never scored) and makes the sandbox not ``alive()``, so the pool deletes
+it instead of reusing it; its replacement opens its own stream (counted in ``execs``). A
+stream that the API server could not even connect to the node (:func:`._exec.unreached`) is
+retried within the HTTP layer's budget; only an agent that itself exited with a status (no
+interpreter) makes the image fall back to per-command exec.
+
+Who can signal the agent. The policy's commands are the agent's children: if they can kill
+it they end the channel, which turns a rollout they are failing into an infra retry. On the
+kwok test cluster the session is started by ``unshare --pid --fork --mount-proc``
+(:func:`sandpool.testing.kwok.exec_prefix`) and the agent is pid 1 of that pid namespace, as
+under the local backend's ``bwrap --as-pid-1``: the kernel drops every signal sent to it from
+inside that it has no handler for (SIGKILL and SIGSTOP too, even from root), so
+``kill -9 -1`` and ``kill -9 1`` leave it running. On a real cluster a pod exec joins the
+container's pid namespace, whose pid 1 is the container's entrypoint, so the agent is an
+ordinary process there. The pod spec then needs, for the same guarantee:
+
+* ``shareProcessNamespace: false`` (the default) and ``hostPID: false``: no other
+  container's or the node's processes share the namespace;
+* the agent as pid 1 of the namespace the commands run in: either a session prefix
+  ``unshare --pid --fork --mount-proc --`` as on kwok (needs ``CAP_SYS_ADMIN`` in the
+  container, or unprivileged user namespaces with ``unshare --user --map-root-user``), or the
+  agent as the container's entrypoint (``command: [python3, -I, -u, -c, <agent>]`` with
+  ``stdin: true``), reached over the ``pods/attach`` subresource instead of ``pods/exec``;
+* ``securityContext.capabilities.drop: [ALL]`` (no ``CAP_SYS_PTRACE``, so no ptrace of the
+  agent or reading its ``/proc/<pid>/fd``; the agent is non-dumpable) and
+  ``allowPrivilegeEscalation: false``.
+
+Neither is done by this backend on a real cluster today (the container command stays
+``sleep infinity`` and the session a plain exec). On kwok, commands run as root on the node
+host: the signal path is closed, ptrace is not.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from typing import TYPE_CHECKING
 
@@ -24,7 +58,7 @@ import aiohttp
 from sandpool.core import errors
 from sandpool.core.backends._agent_client import AgentClient, agent_source
 from sandpool.core.backends.kubernetes._errors import Channel, translate
-from sandpool.core.backends.kubernetes._exec import PROTOCOLS, ExecTarget, parse_status
+from sandpool.core.backends.kubernetes._exec import PROTOCOLS, ExecTarget, parse_status, unreached
 
 if TYPE_CHECKING:
     from sandpool.core.backends.kubernetes._http import KubeHttp
@@ -61,6 +95,12 @@ class AgentSession:
         self._target = target
         self.client: AgentClient = AgentClient(sandbox_id, self._send)
         self.stderr_tail = bytearray()
+        #: True once the agent's process ended with an exit status on the status channel
+        #: (as opposed to the stream breaking under it).
+        self.exited = False
+        #: The status message when the API server could not reach the node (never started).
+        self.unreached: str | None = None
+        self._sandbox_id = sandbox_id
         self._argv = [*target.session_prefix, python, "-I", "-u", "-c", agent_source()]
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._reader: asyncio.Task[None] | None = None
@@ -81,25 +121,53 @@ class AgentSession:
         """Open the stream and wait for the agent's ready line.
 
         Raises:
-            AgentUnavailable: The agent did not start (the stream ended first, or no ready
-                line within ``timeout``); the stream is closed.
+            AgentUnavailable: The agent did not start: its process ended with an exit status
+                (no ``python3``, a failed prctl) or said nothing within ``timeout``; the
+                stream is closed.
             SandboxDied: The pod is gone.
-            ExecTransportError, BackendUnavailable: The handshake failed.
+            ExecTransportError, BackendUnavailable: The handshake failed, or the API server
+                could not reach the node (:func:`._exec.unreached`), after the HTTP layer's
+                retries; or the stream broke before the ready line without an exit status:
+                infra errors, never a reason to give up the agent for the image.
         """
         query = [("container", self._target.container), ("stdin", "true"),
                  ("stdout", "true"), ("stderr", "true")]
         query += [("command", a) for a in self._argv]
         path = f"/api/v1/namespaces/{self._target.namespace}/pods/{self._target.pod}/exec"
-        self._ws = await self._http.ws_connect(path, query, PROTOCOLS)
-        self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-{self._what}")
-        try:
-            await self.client.ready(timeout)
-        except (TimeoutError, errors.SandpoolError) as exc:
-            await self.aclose()
-            tail = bytes(self.stderr_tail[-300:]).decode("utf-8", "replace").strip()
-            why = "no ready line within {:.0f} s".format(timeout) if isinstance(
-                exc, TimeoutError) else str(exc)
-            raise AgentUnavailable(f"{why}{': ' + tail if tail else ''}") from None
+        for attempt in itertools.count(1):
+            self._ws = await self._http.ws_connect(path, query, PROTOCOLS)
+            self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-{self._what}")
+            try:
+                await self.client.ready(timeout)
+                return
+            except (TimeoutError, errors.SandpoolError) as exc:
+                await self.aclose()
+                if self.unreached is not None:
+                    # The API server could not reach the node: the agent never started.
+                    # Retried within the HTTP layer's budget, like a refused handshake.
+                    if await self._http.retry_wait(attempt, 500):
+                        self._reset()
+                        continue
+                    raise errors.ExecTransportError(
+                        f"{self._what}: the API server could not reach the pod's node after "
+                        f"{attempt - 1} retries: {self.unreached[:300]}"
+                    ) from None
+                if isinstance(exc, errors.SandpoolError) and not self.exited:
+                    # The stream broke (API server restart, reset connection, pod gone) before
+                    # the agent could answer: the cluster's failure, not the image's; the next
+                    # sandbox of the image tries the agent again.
+                    raise exc
+                tail = bytes(self.stderr_tail[-300:]).decode("utf-8", "replace").strip()
+                why = "no ready line within {:.0f} s".format(timeout) if isinstance(
+                    exc, TimeoutError) else str(exc)
+                raise AgentUnavailable(f"{why}{': ' + tail if tail else ''}") from None
+
+    def _reset(self) -> None:
+        """Forget a stream that never reached the agent, before opening the next one."""
+        self.client = AgentClient(self._sandbox_id, self._send)
+        self.stderr_tail.clear()
+        self.exited, self.unreached = False, None
+        self._ws = self._reader = None
 
     async def _send(self, data: bytes) -> None:
         ws = self._ws
@@ -136,6 +204,9 @@ class AgentSession:
                     status = (status or b"") + payload
         except Exception as exc:  # noqa: BLE001 - translated at this one boundary
             err = translate(exc, self._what, channel=Channel.EXEC)
+        if status is not None:
+            self.unreached = unreached(status)
+            self.exited = self.unreached is None
         if err is None:
             try:
                 code, message = parse_status(status)
