@@ -20,20 +20,21 @@ from sandpool.core.backends.kubernetes._manifests import HOST_WORKDIR, PodImage
 
 __all__ = ["SETUP", "exec_prefix", "local_pack_image_map"]
 
-#: $1 pod workdir (host path)  $2 image workdir  $3 pod tmp dir  $4 "session" or "exec"; the
-#: rest is the command. Exit 125 with a ``sandpool: `` line when the view cannot be set up
-#: (the exec channel reports it as a transport error). A session runs as the init of its
-#: own pid namespace: it reaps what the agent's commands leave, and when the agent ends every
-#: process of the namespace dies with it.
+#: $1 pod workdir (host path)  $2 image workdir  $3 pod tmp dir  $4 "session" or "exec" (a
+#: label only: it names the kind of exec in the host's process list); the rest is the command.
+#: Exit 125 with a ``sandpool: `` line when the view cannot be set up (the exec channel reports
+#: it as a transport error). The command is exec'd: for a session, started by ``unshare --pid
+#: --fork``, the agent itself becomes pid 1 of its pid namespace, as under the local backend's
+#: ``bwrap --as-pid-1``. The kernel then drops every signal a process of the namespace sends it
+#: that it has no handler for (SIGKILL and SIGSTOP included, root or not), so a policy's
+#: ``kill -9 -1`` or ``kill -9 1`` cannot end the session; the agent reaps the orphans its
+#: commands leave, and when it ends every process of the namespace dies with it.
 SETUP = r"""
 { [ -d "$2" ] || mkdir -p "$2"; } && { [ -d "$3" ] || mkdir -p "$3"; } \
   && mount --bind "$1" "$2" && mount --bind "$3" /tmp \
   || { echo "sandpool: cannot set up the pod's filesystem view" >&2; exit 125; }
-mode=$4; shift 4
-[ "$mode" = session ] || exec "$@"
-exec 3<&0
-"$@" 0<&3 3<&- &
-wait $!
+shift 4
+exec "$@"
 """
 
 

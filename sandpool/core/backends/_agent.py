@@ -338,22 +338,25 @@ def _ps(_req):
 
 
 def _kill_strays(_req):
-    killed = 0
+    killed = set()  # (pid, start time): a process still dying is killed again, counted once
     deadline = time.monotonic() + 5.0
     # Processes may fork while we kill (a fork bomb refills every freed pid): sweep until
     # none is left. Each sweep kills faster than a bomb at its pid limit can fork.
     while time.monotonic() < deadline:
-        pids = _others()
+        # A killed child of the agent stays a zombie until the reaper collects it: dead, and
+        # not to be killed again.
+        pids = [p for p in _others() if not _zombie(p)]
         if not pids:
             break
         for pid in pids:
+            t = _start_time(pid)
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
+                killed.add((pid, t))
             except OSError:
                 pass
         time.sleep(0.002)
-    return {"killed": killed}
+    return {"killed": len(killed)}
 
 
 def _copy_attrs(src, dst, st):
