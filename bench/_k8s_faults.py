@@ -22,10 +22,6 @@ Orphans afterwards: the run's Pods, SandboxClaims, SandboxWarmPools and SandboxT
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import signal
-import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -35,51 +31,13 @@ from k8s_burst import make_repo  # the burst bench's stand-in task repo, one rec
 from sandpool.core import PoolLimits, SandboxPool, Task, run_rollout
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
 from sandpool.core.metrics import Outcome, Workload
+from sandpool.testing.cluster_faults import restart
 from sandpool.testing.kwok import exec_prefix
 
 K8S_FAULTS = ("k8s_none", "pod_deleted", "node_deleted", "apiserver_restart", "apf_429", "controller_restart")
 _GROUP = "extensions.agents.x-k8s.io"
 _COMPONENT = {"apiserver_restart": "kube-apiserver", "apf_429": "kube-apiserver",
               "controller_restart": "agent-sandbox-controller"}
-
-
-def _state_path(run_dir: Path) -> Path:
-    return run_dir / "state.json"
-
-
-def _component(state: dict, name: str) -> str:
-    return next(k for k in state["processes"] if name in k)
-
-
-def restart(run_dir: Path, name: str, extra: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> None:
-    """SIGKILL cluster component ``name`` and start it again with its flags (+ ``extra``,
-    flags starting with any of ``drop`` removed); ``state.json`` gets the new pid."""
-    state = json.loads(_state_path(run_dir).read_text())
-    key = _component(state, name)
-    proc = state["processes"][key]
-    try:
-        os.killpg(proc["pid"], signal.SIGKILL)
-    except OSError:
-        pass
-    deadline = time.monotonic() + 60
-    # Its listening ports are free only once every thread has exited: a zombie leader whose
-    # other threads are still dying holds them (a restart then fails "address already in use").
-    while time.monotonic() < deadline:
-        try:
-            zombie = Path(f"/proc/{proc['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-            if zombie and len(os.listdir(f"/proc/{proc['pid']}/task")) <= 1:
-                break
-        except OSError:
-            break  # gone
-        time.sleep(0.05)
-    time.sleep(0.5)
-    argv = [a for a in proc["argv"] if not a.startswith(drop)] if drop else list(proc["argv"])
-    argv += list(extra)
-    with open(proc["log"], "ab") as log:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             cwd=run_dir, start_new_session=True)
-    proc["pid"], proc["argv"] = p.pid, argv
-    _state_path(run_dir).write_text(json.dumps(state, indent=2))
 
 
 async def _orphans(backend: KubernetesBackend, namespace: str, run_id: str) -> dict[str, int]:

@@ -19,7 +19,13 @@ _GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NA
             "GIT_COMMITTER_EMAIL": "t@t"}
 
 
-async def test_the_kubernetes_backend_on_kwok_runs_the_conformance_suite(cluster, namespace, tmp_path):
+@pytest.mark.parametrize("channel", ["agent", "exec"])
+async def test_the_kubernetes_backend_on_kwok_runs_the_conformance_suite(
+    cluster, namespace, tmp_path, channel
+):
+    """The same checks on the agent session and on the per-command exec fallback: exit codes,
+    process-group timeouts and escapees, output caps, file errnos, process listing, death and
+    reset mean the same on both channels."""
     repo = tmp_path / "repo"
     repo.mkdir()
     git = ["git", "-C", str(repo)]
@@ -32,7 +38,7 @@ async def test_the_kubernetes_backend_on_kwok_runs_the_conformance_suite(cluster
     head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
     backend = KubernetesBackend(cluster.kubeconfig, namespace=namespace, run_id=uuid.uuid4().hex[:8],
                                 image_map=lambda name: PodImage(image=name, workdir_source=str(repo)),
-                                exec_prefix=exec_prefix)
+                                exec_prefix=exec_prefix, agent=channel == "agent")
 
     def delete_pod(sb) -> None:  # as an eviction or a node losing the pod would
         cluster.core.delete_namespaced_pod(sb.pod, namespace, grace_period_seconds=0)
@@ -43,6 +49,8 @@ async def test_the_kubernetes_backend_on_kwok_runs_the_conformance_suite(cluster
     finally:
         await backend.aclose()
     print(report.render_text())
+    # one sandbox per check (some make more), all on the channel under test
+    assert (backend.api_stats["fallback_sandboxes"] == 0) == (channel == "agent")
     assert [r.name for r in report.results] == [name for name, _ in CHECKS]
     # kwok runs a pod's exec as a root process on the node host, in a mount namespace that
     # only rebinds the workdir and /tmp: the host's /usr is writable from a "pod" and there is

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 from kubernetes import client as k8s
+from prometheus_client import CollectorRegistry
 
 from sandpool.core import Outcome, PoolLimits, SandboxPool, Task, errors, run_rollout
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage, gc
 from sandpool.core.backends.kubernetes import _manifests as manifests
+from sandpool.core.telemetry import PoolMetrics
 from sandpool.testing.kwok import exec_prefix
 
 pytestmark = pytest.mark.cluster
@@ -191,13 +193,17 @@ async def test_image_without_the_agents_interpreter_falls_back_to_one_exec_per_c
 ):
     path, first, _ = repo
     be = backend(cluster, namespace, path, mode="pods", agent_python="no-such-python3")
-    async with SandboxPool(be, "cold") as pool:
+    metrics = PoolMetrics(CollectorRegistry())
+    async with SandboxPool(be, "cold", metrics=metrics) as pool:
         for _ in range(2):
             async with pool.claim(make_task("sandpool.test/calc:1", first)) as lease:
                 assert lease.sandbox.channel == "exec"
                 res = await lease.exec("echo out; exit 4")
                 assert (res.exit_code, res.stdout) == (4, b"out\n")
     assert be.api_stats["agent_fallbacks"] == 1  # tried once per image, then not again
+    assert be.api_stats["fallback_sandboxes"] == 2  # every sandbox on the fallback is counted
+    assert metrics.registry.get_sample_value(
+        "sandpool_kube_exec_fallbacks_total", {"reason": "agent_unavailable"}) == 2
     (warning,) = [r for r in caplog.records if "fall back to one pod exec" in r.getMessage()]
     assert "sandpool.test/calc:1" in warning.getMessage()
 

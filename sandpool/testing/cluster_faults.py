@@ -1,0 +1,81 @@
+"""Faults of the local test cluster's control plane (``hack/cluster``), injected on demand.
+
+Used by the fault matrix (``bench/_k8s_faults.py``) and the cluster tests for what a failing
+cluster does that cannot be asked of it through its API: a component killed and started
+again (kube-apiserver: every stream through it breaks; kwok, the nodes' kubelet: the API
+server cannot dial it and answers 500 on pod exec), or started again with other flags.
+Test-cluster only; nothing here is used on a real cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+__all__ = ["kill", "restart", "start"]
+
+# The components started here outlive their Popen's caller (``cluster.py down`` stops them): a
+# Popen collected while its process runs warns, so each is kept for the process's lifetime.
+_STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def _state_path(run_dir: Path) -> Path:
+    return run_dir / "state.json"
+
+
+def _component(state: dict, name: str) -> str:
+    return next(k for k in state["processes"] if name in k)
+
+
+def kill(run_dir: Path, name: str) -> None:
+    """SIGKILL cluster component ``name`` (a substring of its ``state.json`` key: ``apiserver``,
+    ``kwok``, ``agent-sandbox``) and wait until its ports are free; :func:`start` brings it back.
+
+    Raises:
+        StopIteration: No component of that name.
+    """
+    state = json.loads(_state_path(run_dir).read_text())
+    key = _component(state, name)
+    proc = state["processes"][key]
+    try:
+        os.killpg(proc["pid"], signal.SIGKILL)
+    except OSError:
+        pass
+    deadline = time.monotonic() + 60
+    # Its listening ports are free only once every thread has exited: a zombie leader whose
+    # other threads are still dying holds them (a restart then fails "address already in use").
+    while time.monotonic() < deadline:
+        try:
+            zombie = Path(f"/proc/{proc['pid']}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+            if zombie and len(os.listdir(f"/proc/{proc['pid']}/task")) <= 1:
+                break
+        except OSError:
+            break  # gone
+        time.sleep(0.05)
+    time.sleep(0.5)
+
+
+def start(run_dir: Path, name: str, extra: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> None:
+    """Start component ``name`` again with the flags it last ran with (+ ``extra``, flags
+    starting with any of ``drop`` removed); ``state.json`` gets the new pid and argv, so
+    ``cluster.py down`` stops it."""
+    state = json.loads(_state_path(run_dir).read_text())
+    proc = state["processes"][_component(state, name)]
+    argv = [a for a in proc["argv"] if not a.startswith(drop)] if drop else list(proc["argv"])
+    argv += list(extra)
+    with open(proc["log"], "ab") as log:
+        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             cwd=run_dir, start_new_session=True)
+    _STARTED.append(p)
+    proc["pid"], proc["argv"] = p.pid, argv
+    _state_path(run_dir).write_text(json.dumps(state, indent=2))
+
+
+def restart(run_dir: Path, name: str, extra: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> None:
+    """:func:`kill` component ``name``, then :func:`start` it (see there for ``extra``, ``drop``)."""
+    kill(run_dir, name)
+    start(run_dir, name, extra, drop)

@@ -1,0 +1,163 @@
+"""The Kubernetes exec channel against a failing cluster and a cheating policy (real
+kube-apiserver, agent-sandbox controller and kwok nodes from hack/cluster).
+
+Faults the API cannot be asked for are made by killing cluster components
+(:mod:`sandpool.testing.cluster_faults`): kwok down is a node whose kubelet the API server
+cannot dial (it upgrades pod exec, then ends it with a 500 ``InternalError`` status), and
+killing kwok or kube-apiserver under an open agent session resets its stream. A 429 on an exec
+upgrade is not something kube-apiserver sends (APF and max-inflight exempt exec), so that one
+is tested against a loopback server in ``tests/test_kubernetes_unit.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sandpool.core import Outcome, SandboxPool, run_rollout
+from sandpool.core.telemetry import PoolMetrics
+from sandpool.testing import cluster_faults
+from tests.cluster.test_kubernetes_backend import backend, eventually, make_task, repo  # noqa: F401
+
+pytestmark = pytest.mark.cluster
+
+IMAGE = "sandpool.test/calc:1"
+CHANNELS = pytest.mark.parametrize("channel", ["agent", "exec"])
+
+
+def _api_answers(cluster) -> bool:
+    try:
+        cluster.core.list_namespace(limit=1)
+        return True
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+async def _until_api_answers(cluster) -> None:
+    await eventually(lambda: _api_answers(cluster), 120, "kube-apiserver to answer again")
+
+
+def _retries(metrics: PoolMetrics, status: str) -> float:
+    return metrics.registry.get_sample_value("sandpool_kube_api_retries_total",
+                                             {"status": status}) or 0.0
+
+
+@CHANNELS
+async def test_commands_to_a_node_the_api_server_cannot_reach_are_retried_then_run(
+    cluster, namespace, repo, channel
+):
+    path, first, _ = repo
+    be = backend(cluster, namespace, path, agent=channel == "agent")
+    metrics = PoolMetrics(CollectorRegistry())
+    task = make_task(IMAGE, first)
+    async with SandboxPool(be, "warm", metrics=metrics) as pool:
+        await pool.prepare([task], concurrency=1)  # a Ready warm pod: the claim needs no kwok
+        before = be.api_stats["retried"]
+        await asyncio.to_thread(cluster_faults.kill, cluster.run_dir, "kwok")
+        try:
+
+            async def rollout() -> tuple[str, str]:
+                async with pool.claim(task) as lease:  # agent: its session opens here
+                    res = await lease.exec("echo $((6 * 7))")
+                    return res.text, lease.sandbox.channel
+
+            running = asyncio.create_task(rollout())
+            # The API server answers 500 "dial tcp ... connection refused" while kwok is down.
+            await eventually(lambda: be.api_stats["retried"] >= before + 2, 60, "two retries")
+        finally:
+            await asyncio.to_thread(cluster_faults.start, cluster.run_dir, "kwok")
+        assert await running == ("42\n", channel)
+    assert be.api_stats["agent_fallbacks"] == 0  # a failing node never costs the image its agent
+    assert _retries(metrics, "5xx") >= 2
+
+
+@CHANNELS
+async def test_commands_past_the_retry_budget_are_infra_failed_never_scored(
+    cluster, namespace, repo, channel
+):
+    path, first, _ = repo
+    be = backend(cluster, namespace, path, agent=channel == "agent", api_retries=1)
+    task = make_task(IMAGE, first)
+
+    async def episode(lease) -> float:
+        return float((await lease.exec("echo ok")).text == "ok\n")
+
+    async with SandboxPool(be, "warm") as pool:
+        await pool.prepare([task], concurrency=1)
+        await asyncio.to_thread(cluster_faults.kill, cluster.run_dir, "kwok")
+        try:
+            failed = await run_rollout(pool, task, episode, retries=0)
+        finally:
+            await asyncio.to_thread(cluster_faults.start, cluster.run_dir, "kwok")
+        assert (failed.outcome, failed.reward, failed.error_kind) == (
+            Outcome.INFRA_FAILED, None, "exec_transport")
+        assert "could not reach the pod's node after 1 retries" in failed.error
+        # Once the node is back the image still runs its commands over the agent session.
+        ok = await run_rollout(pool, task, episode, retries=1)
+        assert (ok.outcome, ok.reward) == (Outcome.COMPLETED, 1.0)
+    assert be.api_stats["agent_fallbacks"] == 0
+    assert be.api_stats["fallback_sandboxes"] == (0 if channel == "agent" else 2)
+
+
+@pytest.mark.parametrize("component", ["apiserver", "kwok"])
+async def test_a_session_stream_that_drops_mid_rollout_is_infra_failed_and_retried_on_a_new_sandbox(
+    cluster, namespace, repo, component
+):
+    """kube-apiserver restarted, or the node's kwok killed (the stream is reset at the node),
+    while a rollout holds its sandbox: the rollout is retried, never scored; the sandbox with
+    the dead session is not reused; the new sandbox's session is one more stream."""
+    path, first, _ = repo
+    be = backend(cluster, namespace, path)
+    task = make_task(IMAGE, first)
+    hit: list = []
+    streams: list[int] = []
+
+    async def episode(lease) -> float:
+        await lease.exec("echo dirty >> calc.py")
+        if not hit:
+            hit.append(lease.sandbox)
+            streams.append(be.api_stats["execs"])
+            await asyncio.to_thread(cluster_faults.restart, cluster.run_dir, component)
+        res = await lease.exec("git diff --stat | tail -1; echo ok")
+        return float(res.text.endswith("ok\n"))
+
+    try:
+        async with SandboxPool(be, "reuse") as pool:
+            await pool.prepare([task], concurrency=1)
+            result = await run_rollout(pool, task, episode, retries=2)
+            assert (result.outcome, result.reward, result.attempts) == (Outcome.COMPLETED, 1.0, 2)
+            assert pool.counters.infra_errors.get("exec_transport") == 1
+            dropped = hit[0]
+            assert not dropped.alive()  # its session is dead: never handed to a rollout again
+            assert result.sandbox_id != dropped.id
+            assert be.api_stats["execs"] >= streams[0] + 1  # the new sandbox's own stream
+            again = await run_rollout(pool, task, episode, retries=0)
+            assert (again.outcome, again.reward) == (Outcome.COMPLETED, 1.0)
+            assert again.sandbox_id != dropped.id
+    finally:
+        await _until_api_answers(cluster)
+
+
+async def test_a_policy_cannot_kill_or_signal_the_agent_that_carries_its_commands(
+    cluster, namespace, repo
+):
+    """A cheating policy tries to end the channel (to turn a failing rollout into an infra
+    retry): on kwok the agent is pid 1 of the session's pid namespace, which drops every
+    signal from inside that it has no handler for."""
+    path, first, _ = repo
+    be = backend(cluster, namespace, path, mode="pods")
+    async with SandboxPool(be, "cold") as pool:
+        async with pool.claim(make_task(IMAGE, first)) as lease:
+            streams = be.api_stats["execs"]
+            init = await lease.exec("tr '\\0' ' ' < /proc/1/cmdline")
+            assert init.text.split()[1:4] == ["-I", "-u", "-c"]  # pid 1 is the agent itself
+            for attack in ("kill -9 -1", "kill -9 1", "kill -STOP 1", "kill -TERM 1",
+                           "kill -INT 1", "kill -HUP 1", "kill -9 $PPID",
+                           "for p in $(ls /proc | grep -x '[0-9]*'); do kill -9 $p; done"):
+                await lease.exec(f"{attack}; echo tried", timeout=10)
+                res = await lease.exec("echo still here", timeout=10)
+                assert res.text == "still here\n", attack
+            assert lease.sandbox.alive() and lease.sandbox.channel == "agent"
+            assert be.api_stats["execs"] == streams  # the same stream carried every command
