@@ -4,21 +4,28 @@ kube-apiserver, agent-sandbox controller and kwok nodes from hack/cluster).
 Faults the API cannot be asked for are made by killing cluster components
 (:mod:`sandpool.testing.cluster_faults`): kwok down is a node whose kubelet the API server
 cannot dial (it upgrades pod exec, then ends it with a 500 ``InternalError`` status), and
-killing kwok or kube-apiserver under an open agent session resets its stream. A 429 on an exec
-upgrade is not something kube-apiserver sends (APF and max-inflight exempt exec), so that one
-is tested against a loopback server in ``tests/test_kubernetes_unit.py``.
+killing kwok or kube-apiserver under an open agent session resets its stream. A
+PriorityLevelConfiguration with no seats throttles a test user's REST requests with real 429s;
+its exec upgrades are exempt from APF (long-running requests), so a 429 on an exec upgrade,
+which a proxy or gateway in front of the API server can send, is tested against a loopback
+server in ``tests/test_kubernetes_unit.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
+import yaml
+from kubernetes import client as k8s
 from prometheus_client import CollectorRegistry
 
 from sandpool.core import Outcome, SandboxPool, run_rollout
+from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
 from sandpool.core.telemetry import PoolMetrics
 from sandpool.testing import cluster_faults
+from sandpool.testing.kwok import exec_prefix
 from tests.cluster.test_kubernetes_backend import backend, eventually, make_task, repo  # noqa: F401
 
 pytestmark = pytest.mark.cluster
@@ -161,3 +168,86 @@ async def test_a_policy_cannot_kill_or_signal_the_agent_that_carries_its_command
                 assert res.text == "still here\n", attack
             assert lease.sandbox.alive() and lease.sandbox.channel == "agent"
             assert be.api_stats["execs"] == streams  # the same stream carried every command
+
+
+_FLOW = "flowcontrol.apiserver.k8s.io"
+
+
+def _throttled_user(cluster, namespace: str, dest) -> tuple:
+    """A ServiceAccount with cluster-admin whose every request API Priority and Fairness puts
+    in a priority level of no nominal seats that rejects what it cannot seat (429 with
+    ``Retry-After``); returns its kubeconfig and a cleanup function."""
+    name = f"throttled-{namespace}"[:63]
+    core, rbac = cluster.core, k8s.RbacAuthorizationV1Api(cluster.api_client)
+    core.create_namespaced_service_account(
+        namespace, k8s.V1ServiceAccount(metadata=k8s.V1ObjectMeta(name="throttled")))
+    rbac.create_cluster_role_binding(k8s.V1ClusterRoleBinding(
+        metadata=k8s.V1ObjectMeta(name=name),
+        role_ref=k8s.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole",
+                               name="cluster-admin"),
+        subjects=[k8s.RbacV1Subject(kind="ServiceAccount", name="throttled", namespace=namespace)]))
+    plc = {"apiVersion": f"{_FLOW}/v1", "kind": "PriorityLevelConfiguration",
+           "metadata": {"name": name},
+           "spec": {"type": "Limited", "limited": {
+               "nominalConcurrencyShares": 0, "lendablePercent": 0, "borrowingLimitPercent": 0,
+               "limitResponse": {"type": "Reject"}}}}
+    fs = {"apiVersion": f"{_FLOW}/v1", "kind": "FlowSchema", "metadata": {"name": name},
+          "spec": {"priorityLevelConfiguration": {"name": name}, "matchingPrecedence": 500,
+                   "distinguisherMethod": {"type": "ByUser"},
+                   "rules": [{"subjects": [{"kind": "ServiceAccount", "serviceAccount": {
+                       "name": "throttled", "namespace": namespace}}],
+                       "resourceRules": [{"verbs": ["*"], "apiGroups": ["*"], "resources": ["*"],
+                                          "namespaces": ["*"], "clusterScope": True}],
+                       "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}}
+    cluster.custom.create_cluster_custom_object(_FLOW, "v1", "prioritylevelconfigurations", plc)
+    cluster.custom.create_cluster_custom_object(_FLOW, "v1", "flowschemas", fs)
+    tok = core.create_namespaced_service_account_token(
+        "throttled", namespace,
+        k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[])))
+    cfg = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    ctx = next(c for c in cfg["contexts"] if c["name"] == cfg["current-context"])["context"]
+    cfg["users"] = [{"name": "throttled", "user": {"token": tok.status.token}}]
+    ctx["user"] = "throttled"
+    dest.write_text(yaml.safe_dump(cfg))
+
+    def cleanup() -> None:
+        cluster.custom.delete_cluster_custom_object(_FLOW, "v1", "flowschemas", name)
+        cluster.custom.delete_cluster_custom_object(_FLOW, "v1", "prioritylevelconfigurations",
+                                                    name)
+        rbac.delete_cluster_role_binding(name)
+
+    return dest, cleanup
+
+
+async def test_a_user_throttled_by_api_priority_and_fairness_gets_429s_retried_and_its_commands_run(
+    cluster, namespace, repo, tmp_path
+):
+    """The real kube-apiserver's APF: the throttled user's REST requests are rejected with
+    429 and ``Retry-After``, retried, counted, and answered; its pod exec upgrades are exempt
+    (long-running requests), so its rollouts' commands, one pod exec each here, all run."""
+    path, first, _ = repo
+    kubeconfig, cleanup = _throttled_user(cluster, namespace, tmp_path / "throttled.kubeconfig")
+    metrics = PoolMetrics(CollectorRegistry())
+    be = KubernetesBackend(kubeconfig, namespace=namespace, mode="pods", agent=False,
+                           image_map=lambda name: PodImage(image=name, workdir_source=str(path)),
+                           exec_prefix=exec_prefix)
+
+    async def episode(lease) -> float:
+        before = be.api_stats["retried"]
+        results = await asyncio.gather(*(lease.exec(f"echo {i}") for i in range(15)))
+        assert [r.text for r in results] == [f"{i}\n" for i in range(15)]
+        assert be.api_stats["retried"] == before  # no exec upgrade was throttled
+        return 1.0
+
+    try:
+        async with SandboxPool(be, "cold", metrics=metrics) as pool:
+            http = await be._ensure_client()
+            lists = await asyncio.gather(*(http.request("GET", f"/api/v1/namespaces/{namespace}/pods")
+                                           for _ in range(20)))
+            assert all(body["kind"] == "PodList" for body in lists)
+            assert _retries(metrics, "429") >= 1  # APF rejected some, each retried and answered
+            result = await run_rollout(pool, make_task(IMAGE, first), episode, retries=1)
+            assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result.error
+    finally:
+        await be.aclose()
+        cleanup()
