@@ -11,6 +11,7 @@ The sandbox still works end to end: in-place reset verified, gold patch graded 1
 from __future__ import annotations
 
 import os
+import secrets
 import stat
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from sandpool.core import PoolLimits, SandboxPool
 from sandpool.core.backends import _idmap, _overlay
 from sandpool.core.backends.local import LocalBackend, LocalSandbox
 from sandpool.core.images import ID_BASE, ID_COUNT
+from sandpool.core.paths import sandpool_home
 from sandpool.core.task import Task
 from sandpool.envs.grading import grade
 
@@ -152,6 +154,15 @@ async def test_writable_mounts_are_nosuid_and_nodev(pack_backend: LocalBackend, 
             assert {"nosuid", "nodev"} <= opts[place], (place, opts[place])
         res = await sb.exec("cp /bin/sh /tmp/s && chmod 4755 /tmp/s && /tmp/s -c 'id -u'")
         assert res.ok and res.text.strip() == str(_idmap.SANDBOX_UID)  # the bit does not act
+        # On the host too: the repo's overlay, the quota filesystem (upper layer and /tmp) and
+        # every bind the host made for bubblewrap.
+        host = [ln.split() for ln in Path("/proc/self/mountinfo").read_text().splitlines()]
+        mine = {f[4]: set(f[5].split(",")) for f in host
+                if f[4].startswith((str(sb.state_dir), f"/run/sandpool/{pack_backend.run_id}/{sb.id}/"))}
+        assert {str(sb.state_dir / "merged"), str(sb.state_dir / "disk")} <= set(mine), mine
+        assert any("/run/sandpool/" in m for m in mine), mine
+        for point, flags in mine.items():
+            assert {"nosuid", "nodev"} <= flags, (point, flags)
     finally:
         await pack_backend.delete(sb)
 
@@ -191,3 +202,26 @@ async def test_attacked_sandbox_resets_in_place_and_grades_gold_1_and_empty_0(pa
             gold = await grade(lease.sandbox, pack_task, timeout=600)
         assert (empty.reward, gold.reward) == (0.0, 1.0), (empty, gold)
         assert pool.counters.quarantines == 0 and pool.counters.created == 1
+
+
+def test_host_binds_only_what_the_sandbox_uid_cannot_reach_and_parses_arguments_as_arguments():
+    src = sandpool_home() / "test-images"  # below /root (0700): out of reach of the sandbox uid
+    assert not _idmap.reachable(src) and _idmap.reachable("/usr/bin")
+    where = Path(f"/run/sandpool/test-{secrets.token_hex(4)}") / "sb"
+    argv = ["--setenv", "X", "--ro-bind", "--ro-bind", str(src), "/x", "--ro-bind", "/usr", "/usr",
+            "/bin/true", "--ro-bind", str(src), "/y"]
+    try:
+        out = _idmap.publish_binds(argv, where)
+        assert out == ["--setenv", "X", "--ro-bind", "--ro-bind", str(where / "b0"), "/x",
+                       "--ro-bind", "/usr", "/usr", "/bin/true", "--ro-bind", str(src), "/y"]
+        points = {ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()}
+        assert str(where / "b0") in points and sorted(os.listdir(where / "b0")) == sorted(os.listdir(src))
+        with pytest.raises(OSError):  # read-only: nothing of the image can be changed through it
+            (where / "b0" / "probe").write_text("x")
+        with pytest.raises(ValueError, match="--new-option"):
+            _idmap.publish_binds(["--new-option", "/bin/true"], where)
+    finally:
+        assert _idmap.unpublish(where)
+        where.rmdir()
+        where.parent.rmdir()
+    assert not where.exists() and sorted(os.listdir(src))  # the source itself is untouched

@@ -61,11 +61,15 @@ _ARITY = {"--bind": 2, "--ro-bind": 2, "--ro-bind-try": 2, "--bind-try": 2, "--s
           "--setenv": 2, "--unsetenv": 1, "--uid": 1, "--gid": 1, "--hostname": 1, "--proc": 1,
           "--dev": 1, "--tmpfs": 1, "--mqueue": 1, "--remount-ro": 1, "--chdir": 1, "--dir": 1,
           "--userns-block-fd": 1, "--info-fd": 1, "--cap-add": 1, "--cap-drop": 1, "--perms": 1,
-          "--chmod": 2}
+          "--chmod": 2, "--file": 2, "--bind-data": 2, "--ro-bind-data": 2, "--dev-bind": 2,
+          "--dev-bind-try": 2, "--seccomp": 1, "--add-seccomp-fd": 1, "--sync-fd": 1,
+          "--block-fd": 1, "--json-status-fd": 1, "--size": 1, "--lock-file": 1, "--argv0": 1,
+          "--exec-label": 1, "--file-label": 1}
 _FLAGS = {"--unshare-all", "--unshare-user", "--share-net", "--die-with-parent", "--new-session",
           "--as-pid-1", "--clearenv", "--disable-userns", "--assert-userns-disabled",
-          "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup"}
-_BINDS = ("--bind", "--ro-bind")
+          "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup",
+          "--unshare-cgroup-try", "--unshare-user-try"}
+_BINDS = ("--bind", "--ro-bind", "--bind-try", "--ro-bind-try")
 
 
 def as_host_id(host_id: int) -> list[str]:
@@ -94,10 +98,10 @@ def reachable(path: Path | str, host_id: int = HOST_UID) -> bool:
 
 
 def publish_binds(argv: Sequence[str], where: Path) -> list[str]:
-    """Make every ``--bind``/``--ro-bind SRC DEST`` of a bubblewrap argv reachable by
+    """Make every ``--[ro-]bind[-try] SRC DEST`` of a bubblewrap argv reachable by
     :data:`HOST_UID`: a source below a directory it cannot search (``/root``) is bind-mounted
-    by the host at ``where/b<N>`` (read-only, ``nosuid``, ``nodev`` for ``--ro-bind``; ``nosuid``,
-    ``nodev`` for ``--bind``) and named by that path instead. ``where`` is a per-sandbox
+    by the host at ``where/b<N>`` (read-only, ``nosuid``, ``nodev`` for ``--ro-bind*``;
+    ``nosuid``, ``nodev`` for ``--bind*``) and named by that path instead. ``where`` is a per-sandbox
     directory under the world-searchable ``/run/sandpool`` (``_oci.public_dir``), as the OCI
     path does for its root; :func:`unpublish` undoes it.
 
@@ -127,7 +131,8 @@ def publish_binds(argv: Sequence[str], where: Path) -> list[str]:
         else:
             raise ValueError(f"publish_binds: unknown bubblewrap option {opt!r}; add it to _ARITY or _FLAGS")
         args = list(argv[i + 1:i + 1 + n])
-        if opt in _BINDS and not reachable(args[0]):
+        # A missing source of a -try bind stays as it is: bubblewrap skips it.
+        if opt in _BINDS and os.path.exists(args[0]) and not reachable(args[0]):
             if n_binds == 0:
                 for d in (where.parent.parent, where.parent, where):
                     d.mkdir(exist_ok=True)
@@ -138,7 +143,7 @@ def publish_binds(argv: Sequence[str], where: Path) -> list[str]:
                 target.mkdir()
             else:
                 target.touch()
-            if opt == "--ro-bind":
+            if opt.startswith("--ro-"):
                 bind_ro(args[0], target)
             else:
                 bind_rw(args[0], target)
@@ -161,10 +166,8 @@ def unpublish(where: Path) -> bool:
             if not child.name.startswith("b"):
                 continue
             umount(child)
-            try:
-                if os.path.ismount(child):
-                    left = True
-                elif child.is_dir():
+            try:  # rmdir/unlink of a mount point still in place fails (EBUSY): never through it
+                if child.is_dir():
                     child.rmdir()
                 else:
                     child.unlink()

@@ -729,7 +729,7 @@ class LocalBackend(Backend):
                 )
             finally:
                 stderr.close()
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: _idmap.publish_binds met a new option
             for fd in (info_r, block_w, *pass_fds):
                 if fd >= 0:
                     os.close(fd)
