@@ -90,6 +90,8 @@ async def run_channel(channel: str, args, kubeconfig: Path, source: Path, admin)
         "exec_streams_apiserver": verbs1["CONNECT"] - verbs0["CONNECT"],
         "streams_per_sandbox": stats["execs"] / args.sandboxes,
         "agent_fallbacks": stats["agent_fallbacks"],
+        "fallback_sandboxes": stats["fallback_sandboxes"],
+        "api_retries": stats["retried"],
     }
 
 
@@ -102,7 +104,9 @@ def table(runs: dict[str, dict]) -> str:
         ("exec streams (sandpool)", lambda r: str(r["exec_streams_sandpool"])),
         ("exec streams (apiserver)", lambda r: str(r["exec_streams_apiserver"])),
         ("streams per sandbox", lambda r: f"{r['streams_per_sandbox']:.1f}"),
-        ("agent fallbacks", lambda r: str(r["agent_fallbacks"])),
+        ("agent fallbacks (images)", lambda r: str(r["agent_fallbacks"])),
+        ("per-command-exec sandboxes", lambda r: str(r["fallback_sandboxes"])),
+        ("API retries", lambda r: str(r["api_retries"])),
     ]
     names = list(runs)
     lines = [f"{'':<26}" + "".join(f"{n:>12}" for n in names)]
