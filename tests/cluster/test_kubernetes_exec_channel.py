@@ -251,3 +251,31 @@ async def test_a_user_throttled_by_api_priority_and_fairness_gets_429s_retried_a
     finally:
         await be.aclose()
         cleanup()
+
+
+async def test_a_sandbox_whose_session_dropped_while_idle_is_replaced_before_a_rollout_sees_it(
+    cluster, namespace, repo
+):
+    """The node's kwok killed and started again while a reused sandbox waits between rollouts:
+    the next claim gets a new sandbox with a live session on its first attempt."""
+    path, first, _ = repo
+    be = backend(cluster, namespace, path)
+    task = make_task(IMAGE, first)
+    seen: list = []
+
+    async def episode(lease) -> float:
+        seen.append(lease.sandbox)
+        return float((await lease.exec("echo ok")).text == "ok\n")
+
+    async with SandboxPool(be, "reuse") as pool:
+        await pool.prepare([task], concurrency=1)
+        assert (await run_rollout(pool, task, episode, retries=0)).reward == 1.0
+        await eventually(lambda: pool.counters.resets == 1, 60, "the in-place reset")
+        idle = seen[-1]
+        assert idle.alive()
+        await asyncio.to_thread(cluster_faults.restart, cluster.run_dir, "kwok")
+        await eventually(lambda: not idle.alive(), 30, "the idle sandbox's session to end")
+        result = await run_rollout(pool, task, episode, retries=0)
+        assert (result.outcome, result.reward, result.attempts) == (Outcome.COMPLETED, 1.0, 1)
+        assert seen[-1] is not idle and seen[-1].channel == "agent"
+        assert pool.counters.lost == 1  # the dead idle sandbox, dropped at the claim
