@@ -30,12 +30,15 @@ Ops:
 """
 
 import base64
+import fcntl
 import json
 import os
+import select
 import signal
 import stat
 import subprocess
 import sys
+import termios
 import threading
 import time
 
@@ -54,29 +57,66 @@ def _send(obj):
 class _Capture:
     """Drains one pipe on a thread, keeping at most ``cap`` bytes (the rest is counted as cut).
 
-    Draining to EOF means a chatty child never blocks on a full pipe.
+    Draining to EOF means a chatty child never blocks on a full pipe. The thread reads only
+    while it holds ``_lock``, so once the command has exited :meth:`finish` takes what the
+    pipe still holds itself: whether the thread has been scheduled since does not matter.
+    (Before, the exec gave the thread 0.2 s after the exit; on a loaded node a thread starved
+    that long lost the output of a command that had succeeded.)
     """
 
     def __init__(self, stream, cap):
         self.buf = bytearray()
         self.truncated = False
-        self._stream, self._cap = stream, cap
+        self._stream, self._cap = stream, cap  # the stream object keeps the fd open
+        self._fd = stream.fileno()
+        os.set_blocking(self._fd, False)
+        self._lock = threading.Lock()
+        self._eof = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
-    def _run(self):
-        while True:
-            chunk = self._stream.read1(65536)
-            if not chunk:
+    def _take(self, limit):
+        """Read up to ``limit`` bytes the pipe holds now (the caller holds the lock)."""
+        while limit > 0 and not self._eof:
+            try:
+                chunk = os.read(self._fd, min(limit, 65536))
+            except BlockingIOError:
                 return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._eof = True
+                return
+            limit -= len(chunk)
             room = self._cap - len(self.buf)
             if room > 0:
                 self.buf += chunk[:room]
             if len(chunk) > max(room, 0):
                 self.truncated = True
 
-    def snapshot(self):
-        return bytes(self.buf), self.truncated
+    def _run(self):
+        poll = select.poll()
+        poll.register(self._fd, select.POLLIN)
+        while not self._eof:
+            poll.poll()
+            with self._lock:  # held briefly: a background child writing without end
+                self._take(1 << 20)  # cannot keep finish() waiting
+
+    def finish(self):
+        """The command has exited: take the rest of its output; return (bytes, truncated).
+
+        What the pipe holds now is everything the command wrote that the thread has not
+        read. A background child it left running (a server, ``sleep &``) may keep the pipe
+        open and write more later; that is not waited for (in-place reset kills it).
+        """
+        with self._lock:
+            pending = bytearray(4)
+            try:
+                fcntl.ioctl(self._fd, termios.FIONREAD, pending)
+                self._take(int.from_bytes(pending, sys.byteorder))
+            except OSError:  # the pipe is gone: what was read is all there is
+                pass
+            return bytes(self.buf), self.truncated
 
 
 def _children_of():
@@ -139,12 +179,14 @@ _spawn_lock = threading.Lock()
 _spawned = set()
 
 
-def _late_orphans(start, own):
+def _late_orphans(start, own, older):
     """Processes of this sandbox (its pid namespace) started after ``start`` that belong to no
     other running command: what a command left behind by double-forking out of its group and
     clearing its environment (``env -i setsid``), so neither its group nor its marker finds it.
     A process that a concurrent command's escapee started is caught too (its owner cannot be
-    told apart); processes older than the command are never touched."""
+    told apart); processes older than the command are never touched: ``older`` holds the pids
+    there were before it started, since start times only have clock-tick resolution (a
+    ``sleep &`` of the previous command can share the command's tick)."""
     with _running_lock:
         others = [v for k, v in _running.items() if k != own]
     keep = set()
@@ -155,12 +197,12 @@ def _late_orphans(start, own):
     out = []
     for pid in _others():
         t = _start_time(pid)
-        if t is not None and t >= start and pid not in keep:
+        if t is not None and pid not in keep and (t > start or (t == start and pid not in older)):
             out.append(pid)
     return out
 
 
-def _kill_tree(proc, marker, start, own):
+def _kill_tree(proc, marker, start, own, older):
     # The process group first (the documented contract); then descendants that called setsid()
     # to leave it; then processes carrying the exec's marker; then anything in the sandbox
     # started since the command began that no other command owns (an escapee with no marker).
@@ -172,7 +214,7 @@ def _kill_tree(proc, marker, start, own):
     while True:
         pids = set(_descendants(proc.pid)) | set(_tagged(marker))
         if start is not None:
-            pids |= set(_late_orphans(start, own))
+            pids |= set(_late_orphans(start, own, older))
         pids = {p for p in pids - {_SELF, 1} if not _zombie(p)}  # a zombie is dead already
         if not pids or time.monotonic() > deadline:
             return
@@ -215,6 +257,7 @@ def _exec(req):
         env["PWD"] = req["cwd"]
     t0 = time.monotonic()
     rid = req.get("id")
+    older = set(_others())
     try:
         with _spawn_lock:
             proc = subprocess.Popen(
@@ -247,25 +290,20 @@ def _exec(req):
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_tree(proc, marker, start, rid)
+        _kill_tree(proc, marker, start, rid, older)
         proc.wait()
     finally:
         with _running_lock:
             _running.pop(rid, None)
         with _spawn_lock:
             _spawned.discard(proc.pid)  # waited for: the reaper may have any later holder
-    # A background child the command left running (a server, `sleep &`) may hold the pipes
-    # open: return what was captured instead of waiting for it. In-place reset kills it later.
-    deadline = time.monotonic() + (1.0 if timed_out else 0.2)
-    for c in (out, err):
-        c.thread.join(timeout=max(0.0, deadline - time.monotonic()))
     rc = proc.returncode
     if timed_out:
         rc = 124
     elif rc < 0:
         rc = 128 - rc
-    out, out_trunc = out.snapshot()
-    err, err_trunc = err.snapshot()
+    out, out_trunc = out.finish()
+    err, err_trunc = err.finish()
     return {
         "exit_code": rc,
         "stdout": base64.b64encode(out).decode(),
