@@ -213,7 +213,8 @@ def test_retry_after_and_backoff():
     assert parse_retry_after("120") == 30.0  # capped
     assert parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT") is None
     assert parse_retry_after(None) is None
-    assert backoff_delay(3, retry_after=1.5) == 1.5
+    assert all(1.5 <= backoff_delay(3, retry_after=1.5) <= 2.25 for _ in range(50))
+    assert backoff_delay(1, retry_after=0.0) == 0.0
     for attempt in range(1, 10):
         assert 0 < backoff_delay(attempt, base=0.1, cap=2.0) <= 2.0
 

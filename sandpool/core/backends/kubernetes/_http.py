@@ -44,10 +44,12 @@ def parse_retry_after(value: str | None, *, cap: float = 30.0) -> float | None:
 def backoff_delay(
     attempt: int, *, base: float = 0.1, cap: float = 5.0, retry_after: float | None = None
 ) -> float:
-    """Delay in seconds before retry ``attempt`` (1-based): ``Retry-After`` if given, else
-    ``base * 2**(attempt-1)`` capped at ``cap``, with up to 50 % full jitter."""
+    """Delay in seconds before retry ``attempt`` (1-based): ``Retry-After`` if given, plus up
+    to half of it again as jitter (APF gives every request it rejects in a moment the same
+    ``Retry-After``: waiting exactly that long brings them all back at once, to be rejected
+    again), else ``base * 2**(attempt-1)`` capped at ``cap``, with up to 50 % full jitter."""
     if retry_after is not None:
-        return retry_after
+        return retry_after * (1 + random.random() / 2)
     d = min(cap, base * (2 ** (attempt - 1)))
     return d * (0.5 + random.random() / 2)
 
