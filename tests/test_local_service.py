@@ -88,3 +88,75 @@ def test_a_service_bind_into_scratch_space_is_refused_with_the_fix(dest: str) ->
     # A mount point under /tmp would make every in-place reset find scratch not empty.
     with pytest.raises(errors.ConfigError, match="ServiceSpec.binds.*outside"):
         ServiceSpec(argv=("/bin/true",), binds=(("/usr", dest),))
+
+
+# A service with state: a cache directory its reset empties (it needs its secret to do so).
+_STATEFUL = ("/bin/sh", "-c", "mkdir -p cache; echo said-$SVC_KEY; echo ok > ready; exec sleep 100000")
+_EMPTY_CACHE = ("/bin/sh", "-c", 'test -n "$SVC_KEY" && test -d /proc/$SANDPOOL_SERVICE_PID && rm -rf cache/*')
+
+
+@pytest.fixture
+async def stateful_backend(test_images_root, calc_commits):
+    backend = LocalBackend(test_images_root, service=ServiceSpec(
+        argv=_STATEFUL, ready_argv=_READY, ready_timeout=30, secret_env=("SVC_KEY",),
+        reset_argv=_EMPTY_CACHE))
+    await backend.preflight()
+    yield backend
+    await backend.aclose()
+
+
+async def test_reset_runs_the_service_reset_and_reuses_the_sandbox(stateful_backend, calc_commits):
+    sb = await stateful_backend.create(CALC_IMAGE)
+    assert (await sb.exec(f"echo entry > {SERVICE_DIR}/cache/a && mkdir {SERVICE_DIR}/cache/d")).ok
+    outcome = await reset_in_place(sb, calc_commits["buggy"])
+    assert outcome.ok, outcome.problems
+    assert not list((sb.service_dir / "cache").iterdir())
+
+
+@pytest.mark.parametrize("plant", [
+    "echo planted > {d}/config.json",                   # a file the service may read
+    "echo changed > {d}/ready",                         # a fresh file, changed
+    "rm {d}/ready",                                     # a fresh file, gone
+    "chmod 777 {d}/cache",                              # a mode
+    "ln -s /tmp {d}/cache.link",                        # a link
+    "mkfifo {d}/fifo",                                  # a special file
+])
+async def test_reset_quarantines_a_sandbox_whose_service_directory_the_rollout_changed(
+        stateful_backend, calc_commits, plant):
+    sb = await stateful_backend.create(CALC_IMAGE)
+    assert (await sb.exec(plant.format(d=SERVICE_DIR))).ok
+    outcome = await reset_in_place(sb, calc_commits["buggy"])
+    assert not outcome.ok
+    assert any("service directory differs" in p for p in outcome.problems), outcome.problems
+
+
+@pytest.mark.parametrize("signal", ["KILL", "STOP"])
+async def test_reset_quarantines_a_sandbox_whose_service_was_killed_or_stopped(
+        stateful_backend, calc_commits, signal):
+    sb = await stateful_backend.create(CALC_IMAGE)
+    assert (await sb.exec(f"pkill -{signal} -x sleep")).ok
+    outcome = await reset_in_place(sb, calc_commits["buggy"])
+    assert not outcome.ok
+    assert any("its service" in p for p in outcome.problems), outcome.problems
+
+
+async def test_a_failing_service_reset_quarantines(test_images_root, calc_commits):
+    backend = LocalBackend(test_images_root, service=ServiceSpec(
+        argv=_STATEFUL, ready_argv=_READY, secret_env=("SVC_KEY",),
+        reset_argv=("/bin/sh", "-c", "test ! -e cache/poison || { echo poisoned >&2; exit 1; }")))
+    try:
+        sb = await backend.create(CALC_IMAGE)
+        assert (await sb.exec(f"touch {SERVICE_DIR}/cache/poison")).ok
+        outcome = await reset_in_place(sb, calc_commits["buggy"])
+        assert not outcome.ok and "poisoned" in " ".join(outcome.problems), outcome.problems
+    finally:
+        await backend.aclose()
+
+
+async def test_the_service_output_is_kept_on_the_host_out_of_the_sandbox(stateful_backend):
+    sb = await stateful_backend.create(CALC_IMAGE)
+    key = sb.service_env["SVC_KEY"]
+    # What the service says (here its secret) must not reach the policy or the next rollout.
+    res = await sb.exec(f'grep -rs "$K" {SERVICE_DIR} /tmp /testbed; true', env={"K": key})
+    assert res.ok and key not in res.text
+    assert f"said-{key}" in (sb.state_dir / "stderr.log").read_text()

@@ -210,6 +210,22 @@ class Sandbox(abc.ABC):
             paths: Repo-relative file paths.
         """
 
+    async def restore_service(self, *, timeout: float = 60.0) -> list[str]:
+        """Bring the sandbox's long-lived service (if it runs one) back to its pristine state.
+
+        Optional (default: no service, nothing to do). The in-place reset calls it right after
+        killing the rollout's processes: a service the policy could reach (its state directory,
+        its API) must forget the rollout or the sandbox is quarantined. The local backend's
+        :class:`~sandpool.core.backends.local.ServiceSpec` implements it.
+
+        Returns:
+            What is not pristine, one sentence each (empty: pristine).
+
+        Raises:
+            SandboxDied, ExecTransportError: As for :meth:`exec`.
+        """
+        return []
+
     async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
         """What the rollout changed outside the repo and ``/tmp``, seen from outside the sandbox.
 

@@ -13,7 +13,10 @@ The property (not a list of cleanup steps) that a reset establishes and then ver
   *added* outside the repo and ``/tmp`` (a ``pip install``, a file under ``/root``) is removed,
   and anything else it changed there (an edit in ``/etc``, a deleted or replaced image file)
   fails the check;
-* no process of the rollout is left.
+* no process of the rollout is left;
+* a long-lived service the sandbox runs beside the policy (the local backend's agent-server)
+  is the process started with the sandbox, running, and its state is back to its fresh
+  state (:meth:`Sandbox.restore_service`).
 
 A sandbox that fails the check is quarantined by the pool, never handed out.
 
@@ -169,7 +172,8 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
         InfraError: The sandbox could not be reached.
     """
     killed = await sandbox.kill_strays()
-    problems = await _restore(sandbox, "", timeout)
+    problems = await sandbox.restore_service(timeout=timeout)
+    problems += await _restore(sandbox, "", timeout)
     problems += await _outside_repo(sandbox, timeout)
     if problems:
         return ResetOutcome(False, tuple(problems), killed)

@@ -24,9 +24,9 @@ Ops:
                 directory's own mode, mtime and xattrs; a ``pinned`` path is written from the
                 bytes given instead of the image's. The host computed the list from the
                 overlay's upper layer and verifies the result; this op only does the work.
-    service     {argv, env, cwd, log} -> {pid}: start a long-lived service process (its own
-                session, in the work cgroup, output to ``log``) that ``ps`` and
-                ``kill_strays`` leave alone
+    service     {argv, env, cwd, log?} -> {pid}: start a long-lived service process (its own
+                session, in the work cgroup, output to ``log``, else to the agent's stderr)
+                that ``ps`` and ``kill_strays`` leave alone
 """
 
 import base64
@@ -504,10 +504,15 @@ def _restore(req):
 def _service(req):
     env = dict(os.environ)
     env.update(req.get("env") or {})
-    with open(req["log"], "ab") as log:
+    # Without a log, the output goes to the agent's own stderr (the host's file, not the sandbox's).
+    log = open(req["log"], "ab") if req.get("log") else None
+    try:
         proc = subprocess.Popen(_in_work_cgroup(req["argv"]), cwd=req.get("cwd") or None, env=env,
-                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                stdin=subprocess.DEVNULL, stdout=log or sys.stderr.fileno(),
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        if log is not None:
+            log.close()
     _SERVICES[proc.pid] = proc
     return {"pid": proc.pid}
 

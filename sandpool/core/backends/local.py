@@ -35,7 +35,7 @@ An image is a directory ``<images_root>/<safe-name>/`` holding ``image.json``, `
 ``venv/`` (see :class:`LocalImage`); building one is hydration, done before rollouts ask.
 Overlay mounts need root (``CAP_SYS_ADMIN``); :meth:`LocalBackend.preflight` says so plainly.
 
-This module is ~880 lines, over the project's ~400: it holds the backend and its sandbox class,
+This module is ~960 lines, over the project's ~400: it holds the backend and its sandbox class,
 whose start path (mounts, quota, cgroups, bubblewrap argv) is one sequence that must undo itself
 on failure. Known seams to split next: the OCI start path into ``_oci``, and the host side of the
 agent protocol onto the Kubernetes backend's ``_agent_client``, which decodes the same frames.
@@ -66,6 +66,7 @@ from pydantic import BaseModel, ValidationError
 from sandpool.core import errors
 from sandpool.core.backends import _cgroup, _idmap, _oci, _overlay, _quota
 from sandpool.core.backends._agent_client import exec_result
+from sandpool.core.backends._service import RunningService, tree, tree_diff
 from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox
 from sandpool.core.images import ID_BASE, ImageStore, OciImage
 from sandpool.core.mounts import mount_overlay
@@ -125,7 +126,9 @@ class ServiceSpec:
     Attributes:
         argv: The command, run in :data:`SERVICE_DIR` with the sandbox's environment plus ``env``,
             in the policy's work cgroup (what it runs for the policy counts there); its output
-            goes to ``service.log`` there.
+            goes to the sandbox's ``stderr.log`` on the host (``LocalSandbox.state_dir``), out
+            of the policy's reach: a log inside the sandbox would carry one rollout's words
+            to the next.
         env: Extra environment variables.
         binds: ``(host path, sandbox path)`` pairs bind-mounted read-only (the service's code).
         ready_argv: A command run once after the start that exits 0 when the service is ready
@@ -136,6 +139,19 @@ class ServiceSpec:
         secret_env: Names of variables set to a fresh random secret for each sandbox's service
             (e.g. the key its clients must present); the values are in
             ``LocalSandbox.service_env``.
+        reset_argv: A command the in-place reset runs (after the rollout's processes are
+            killed, with ``env``, the secrets and ``$SANDPOOL_SERVICE_PID``) that makes the
+            service drop what the rollout left in it (e.g. an agent-server's conversations,
+            through its own API); it must exit 0. It also runs once when the service is
+            ready, before the service directory's pristine state is recorded.
+
+    The service directory is the service's state, and the policy (same uid) can write it, so
+    the in-place reset holds it to its pristine state (see :meth:`LocalSandbox.restore_service`):
+    the same service process, running, and after ``reset_argv`` a directory identical to the
+    one recorded when the sandbox was fresh; anything else quarantines the sandbox. The
+    service's own memory is its business: a service holding secrets or per-rollout state in
+    memory should make itself non-dumpable (``prctl(PR_SET_DUMPABLE, 0)``), so the policy's
+    processes, which lack ``CAP_SYS_PTRACE``, cannot ptrace it or read its ``/proc`` files.
     """
 
     argv: tuple[str, ...]
@@ -144,6 +160,7 @@ class ServiceSpec:
     ready_argv: tuple[str, ...] | None = None
     ready_timeout: float = 60.0
     secret_env: tuple[str, ...] = ()
+    reset_argv: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         # A bind under a scratch directory would leave a mount point there, which the in-place
@@ -184,6 +201,7 @@ class LocalSandbox(Sandbox):
         self.service_dir: Path | None = None
         #: The environment the service was started with (its secrets included).
         self.service_env: dict[str, str] = {}
+        self._service: RunningService | None = None
         #: Host path of the overlay's upper layer (what the rollout changed), for reset checks.
         self.upper = upper
         #: The OCI image it runs, or None for an image directory.
@@ -394,6 +412,50 @@ class LocalSandbox(Sandbox):
         left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
         return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
             f"restore failed: {m}" for m in msg.get("failed", [])][:20]
+
+    async def restore_service(self, *, timeout: float = 60.0) -> list[str]:
+        """Bring the sandbox's service back to its pristine state and verify it; see
+        :meth:`Sandbox.restore_service`.
+
+        Checks, in order: the service is the process started with the sandbox (same pid and
+        start time), alive and not stopped; its :attr:`ServiceSpec.reset_argv` exits 0; its
+        directory, read on the host, is what it was when recorded fresh (every path's type and
+        mode, each file's bytes, each link's target). Run it with no process of the rollout
+        left (:meth:`kill_strays`). Cost: one ``/proc`` read, ``reset_argv``, a walk of the
+        service directory.
+
+        Returns:
+            What differs (empty: pristine); [] without a service.
+        """
+        svc = self._service
+        if svc is None:
+            return []
+        problems = await self._service_running(svc, timeout)
+        problems = problems or await self._service_reset(svc, timeout)
+        if not problems:
+            assert self.service_dir is not None
+            problems = tree_diff(svc.pristine, await asyncio.to_thread(tree, self.service_dir))
+        # Again at the end: a fatal signal sent just before the reset may take effect during it.
+        return problems or await self._service_running(svc, timeout)
+
+    async def _service_running(self, svc: RunningService, timeout: float) -> list[str]:
+        res = await self.exec(["cat", f"/proc/{svc.pid}/stat"], timeout=timeout)
+        fields = res.stdout.decode(errors="replace").rsplit(")", 1)[-1].split()
+        if not res.ok or len(fields) < 20 or fields[19] != svc.start:
+            return [f"its service (pid {svc.pid}) is gone: killed or exited during the rollout"]
+        if fields[0] in ("T", "t", "Z", "X"):
+            return [f"its service (pid {svc.pid}) is stopped or dead (state {fields[0]})"]
+        return []
+
+    async def _service_reset(self, svc: RunningService, timeout: float) -> list[str]:
+        if svc.spec.reset_argv is None:
+            return []
+        res = await self.exec(list(svc.spec.reset_argv), timeout=timeout, cwd=SERVICE_DIR,
+                              env={**self.service_env, "SANDPOOL_SERVICE_PID": str(svc.pid)})
+        if res.ok:
+            return []
+        return [f"its service's reset failed (exit {res.exit_code}, timed out: {res.timed_out}): "
+                f"{(res.err_text or res.text).strip()[-300:]}"]
 
     def _repo_upper(self) -> Path:
         assert self.upper is not None
@@ -762,17 +824,26 @@ class LocalBackend(Backend):
         spec = self.service
         assert spec is not None
         env = {**spec.env, **{name: secrets.token_urlsafe(24) for name in spec.secret_env}}
-        started = await sandbox._call("service", 30.0, argv=list(spec.argv), env=env,
-                                      cwd=SERVICE_DIR, log=f"{SERVICE_DIR}/service.log")
+        # No log path: its output goes to the agent's stderr, the host's stderr.log.
+        started = await sandbox._call("service", 30.0, argv=list(spec.argv), env=env, cwd=SERVICE_DIR)
+        pid = int(started["pid"])
         sandbox.service_dir, sandbox.service_env = host_dir, env
         if spec.ready_argv is not None:
             res = await sandbox.exec(list(spec.ready_argv), timeout=spec.ready_timeout, cwd=SERVICE_DIR,
-                                     env={"SANDPOOL_SERVICE_PID": str(started["pid"])})
+                                     env={"SANDPOOL_SERVICE_PID": str(pid)})
             if not res.ok:
-                log = (host_dir / "service.log").read_text(errors="replace")[-1500:]
+                log = (sandbox.state_dir / "stderr.log").read_text(errors="replace")[-1500:]
                 raise errors.SandboxStartError(
                     f"sandbox {sandbox.id}: its service did not become ready (exit {res.exit_code}, "
                     f"timed out: {res.timed_out}): {log.strip() or res.err_text[-500:]}")
+        stat_line = (await sandbox.exec(["cat", f"/proc/{pid}/stat"], timeout=30.0)).stdout.decode()
+        svc = RunningService(spec, pid, stat_line.rsplit(")", 1)[-1].split()[19], {})
+        # The pristine state is the fresh service's after one reset: what every reset restores.
+        problems = await sandbox._service_reset(svc, spec.ready_timeout)
+        if problems:
+            raise errors.SandboxStartError(f"sandbox {sandbox.id}: {problems[0]}")
+        svc.pristine = await asyncio.to_thread(tree, host_dir)
+        sandbox._service = svc
 
     async def delete(self, sandbox: Sandbox) -> None:
         """Kill the sandbox's whole process tree, unmount its overlay, remove its state."""

@@ -8,9 +8,16 @@ while the pool warms (creation waits until it answers ``/health``), listening on
 in the sandbox's service directory; the sandbox keeps no network of its own, and a host-side
 relay (:mod:`sandpool.integrations.openhands.relay`) exposes the socket on 127.0.0.1.
 
-The server's state (conversations, bash events, its ``HOME``) lives in the service directory,
-outside the repo and outside ``/tmp``, so in-place reset neither sees nor removes it, and
-``kill_strays`` spares the server process.
+The server's state (conversations, bash events, persisted settings, tmux sockets) lives in
+the service directory, outside the repo and outside ``/tmp``; ``kill_strays`` spares the
+server process (and kills its terminals). The policy runs as the server's uid and can write
+that directory, so the in-place reset holds the server to its fresh state (the one reset,
+:func:`sandpool.core.reset.reset_in_place`, through :attr:`ServiceSpec.reset_argv`): it
+deletes every conversation and bash event through the server's API, then compares the
+service directory, on the host, with the fresh server's; anything else (a planted file, a
+killed or stopped server) quarantines the sandbox. The server is non-dumpable and imports
+nothing from where the policy writes (see ``_LAUNCHER``). Its ``HOME`` is the sandbox's
+(``/tmp``), which the reset empties; its terminals share it.
 """
 
 from __future__ import annotations
@@ -36,22 +43,59 @@ __all__ = ["AGENT_SERVER_VERSION", "SESSION_KEY", "SOCKET", "agent_server_env", 
 AGENT_SERVER_VERSION = "1.58.2"
 #: The variable holding a sandbox's agent-server session key (``X-Session-API-Key``).
 SESSION_KEY = "OH_SESSION_API_KEYS_0"
-#: The agent-server's unix socket inside the sandbox.
 #: Where ``python_path`` directories appear inside the sandbox (read-only), outside its scratch.
 _PATH_IN_SANDBOX = "/opt/sandpool/service-path"
+#: The agent-server's unix socket inside the sandbox.
 SOCKET = f"{SERVICE_DIR}/agent-server.sock"
 
-# Runs inside the sandbox with the env's python: import the preload modules (a scripted LLM
-# in tests, custom tools), then serve OpenHands' FastAPI app on the unix socket.
+# Runs inside the sandbox with the env's python (-I: no $PYTHON* variables, no user site under
+# $HOME, no working directory on sys.path). The policy runs as the same uid beside it, so:
+# * non-dumpable: the policy's processes (no CAP_SYS_PTRACE) can neither ptrace it, nor read
+#   its /proc files (environ holds the session key, fd its sockets), nor write its memory;
+# * no import from a directory the policy can write: litellm appends the working directory
+#   (the service directory) to sys.path, so a path hook gives every such entry, present or
+#   added later, a finder that finds nothing, and planted code never runs in the server;
+# * the catchable signals that stop a server (uvicorn's SIGINT/SIGTERM shutdown, SIGHUP,
+#   SIGUSR1...) get a handler that does nothing (a handler, not SIG_IGN, so its terminals'
+#   programs start with the defaults); SIGKILL and SIGSTOP remain, and the reset finds them.
+# Then it imports the preload modules (a scripted LLM in tests, custom tools) and serves
+# OpenHands' FastAPI app on the unix socket.
 _LAUNCHER = """
-import importlib, os, sys
+import contextlib, ctypes, importlib, os, signal, sys
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0: fail closed
+    sys.exit("sandpool agent-server: prctl(PR_SET_DUMPABLE, 0) failed: " + os.strerror(ctypes.get_errno()))
+class NoImport:
+    def find_spec(self, *args):
+        return None
+    def invalidate_caches(self):
+        pass
+def writable_guard(entry):
+    p = os.path.abspath(entry or ".")
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    if os.access(p, os.W_OK):
+        return NoImport()
+    raise ImportError  # the next hook (the usual file finder) takes it
+sys.path_hooks.insert(0, writable_guard)
+sys.path_importer_cache.clear()
+keep = {signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD, signal.SIGCONT, signal.SIGWINCH, signal.SIGURG,
+        signal.SIGPIPE, signal.SIGSEGV, signal.SIGBUS, signal.SIGFPE, signal.SIGILL, signal.SIGTRAP,
+        signal.SIGSYS, signal.SIGABRT}
+for sig in signal.valid_signals() - keep:
+    with contextlib.suppress(OSError, ValueError, RuntimeError):
+        signal.signal(sig, lambda *_: None)
 os.makedirs(os.environ["TMUX_TMPDIR"], exist_ok=True)
 sys.path[:0] = [p for p in os.environ.get("SANDPOOL_OH_PATH", "").split(":") if p]
 for m in filter(None, os.environ.get("SANDPOOL_OH_PRELOAD", "").split(",")):
     importlib.import_module(m)
 import uvicorn
-uvicorn.run("openhands.agent_server.api:api", uds=os.environ["SANDPOOL_OH_SOCKET"], ws="wsproto",
-            log_level="warning")
+class Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):  # its SIGINT/SIGTERM shutdown would let the policy stop it
+        yield
+Server(uvicorn.Config("openhands.agent_server.api:api", uds=os.environ["SANDPOOL_OH_SOCKET"], ws="wsproto",
+                      log_level="warning")).run()
 """
 
 # Exits 0 once the server answers /health on its socket (it polls, inside the sandbox), 1 as
@@ -68,6 +112,34 @@ _READY = (
     "    except OSError: pass\n"
     "    if not os.path.exists('/proc/' + os.environ['SANDPOOL_SERVICE_PID']): sys.exit(1)\n"
     "    time.sleep(0.05)\n"
+)
+
+
+# The in-place reset's part for the server (ServiceSpec.reset_argv), after the rollout's
+# processes were killed: delete every conversation and bash event through the server's own
+# API (the server drops them from memory and disk), then the sockets of the terminals' tmux
+# servers, which died with the rollout. The reset then compares the service directory with
+# its fresh state.
+_RESET = (
+    "import glob, http.client, json, os, socket, stat, sys\n"
+    "class C(http.client.HTTPConnection):\n"
+    "    def connect(self):\n"
+    "        self.sock = socket.socket(socket.AF_UNIX); self.sock.settimeout(self.timeout)\n"
+    "        self.sock.connect(os.environ['SANDPOOL_OH_SOCKET'])\n"
+    f"key = {{'X-Session-API-Key': os.environ[{SESSION_KEY!r}]}}\n"
+    "def call(method, path):\n"
+    "    c = C('localhost', timeout=30); c.request(method, path, headers=key)\n"
+    "    r = c.getresponse(); body = r.read(); c.close()\n"
+    "    if r.status != 200: sys.exit(f'{method} {path}: HTTP {r.status} {body[:200]!r}')\n"
+    "    return json.loads(body or b'null')\n"
+    "for _ in range(1000):\n"
+    "    items = call('GET', '/api/conversations/search?limit=100')['items']\n"
+    "    if not items: break\n"
+    "    for item in items: call('DELETE', '/api/conversations/' + item['id'])\n"
+    "else: sys.exit('conversations keep appearing')\n"
+    "call('DELETE', '/api/bash/bash_events')\n"
+    "for p in glob.glob(os.environ['TMUX_TMPDIR'] + '/tmux-*/openhands-*'):\n"
+    "    if stat.S_ISSOCK(os.lstat(p).st_mode): os.unlink(p)\n"
 )
 
 
@@ -183,5 +255,6 @@ def agent_server_service(
     }
     py = f"{env}/bin/python"
     # Each sandbox's server demands its own X-Session-API-Key (LocalSandbox.service_env).
-    return ServiceSpec(argv=(py, "-c", _LAUNCHER), env=service_env, binds=binds, secret_env=(SESSION_KEY,),
-                       ready_argv=(py, "-c", _READY, SOCKET), ready_timeout=ready_timeout)
+    return ServiceSpec(argv=(py, "-I", "-c", _LAUNCHER), env=service_env, binds=binds, secret_env=(SESSION_KEY,),
+                       ready_argv=(py, "-I", "-c", _READY, SOCKET), ready_timeout=ready_timeout,
+                       reset_argv=(py, "-I", "-c", _RESET))

@@ -6,13 +6,16 @@ answers from the script instead of calling a model. The script travels with the 
 client sends (``litellm_extra_body`` is part of the serialized ``LLM``), and the step to play is
 the number of assistant messages already in the conversation, so the provider keeps no state.
 
-A step is ``{"tool": name, "arguments": {...}}`` (one tool call) or ``{"text": "..."}`` (a
-message without tool calls, which ends the agent's turn). A completion offered no tools (the
+A step is ``{"tool": name, "arguments": {...}}`` (one tool call), ``{"text": "..."}`` (a
+message without tool calls, which ends the agent's turn), or ``{"probe": "find_spec", "name": module}``
+(a message, ending the turn, saying where the server process would import ``module`` from,
+or ``null``: whether code a policy planted would run in the server). A completion offered no tools (the
 agent-server's conversation-title request) gets a fixed title and does not consume a step.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 
@@ -38,6 +41,9 @@ class ScriptedLLM(CustomLLM):
         if step_no >= len(script):
             raise ValueError(f"sandpool_scripted: script of {len(script)} steps is exhausted")
         step = script[step_no]
+        if step.get("probe") == "find_spec":
+            spec = importlib.util.find_spec(step["name"])
+            return _response(model, Message(role="assistant", content=json.dumps(spec and spec.origin)))
         if "text" in step:
             return _response(model, Message(role="assistant", content=step["text"]))
         call = ChatCompletionMessageToolCall(id=f"call_{step_no}", type="function",
