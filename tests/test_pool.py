@@ -257,3 +257,55 @@ async def test_sandboxes_being_deleted_count_against_max_live():
         lease = await asyncio.wait_for(third, 60.0)
         await pool.release(lease)
     assert backend.peak_held <= 2
+
+
+async def test_a_quarantined_sandboxs_replacement_evicts_no_other_images_sandbox():
+    # max_live equals the number of images: the quarantined sandbox holds its room until its
+    # delete returns. Its image's next claim waits for that room; it does not evict the other
+    # image's idle sandbox (whose next rollout would then start cold and evict in turn).
+    backend = MemoryBackend()
+    backend.delete_gate = asyncio.Event()
+    a, b = task(0, image="img-a"), task(0, image="img-b")
+    async with SandboxPool(backend, "reuse", PoolLimits(max_live=2)) as pool:
+        try:
+            await pool.prepare([a, b], concurrency=2, rollouts_per_task=4)
+            kept = next(sid for sid, sb in backend.live.items() if sb.image == "img-b")
+            lease = await pool.acquire(a)
+            lease.sandbox.restore_fails = True
+            await pool.release(lease)
+            assert pool.counters.quarantines == 1 and backend.deleting == 1
+            claim = asyncio.create_task(pool.acquire(a))
+            await until(lambda: pool._images["img-a"].waiters or claim.done(), "the claim")
+            assert pool.counters.evicted == 0 and kept in backend.live
+            backend.delete_gate.set()  # the quarantined sandbox's delete returns: its room
+            lease = await asyncio.wait_for(claim, 60)
+            assert lease.sandbox.id != kept and pool.counters.created == 3
+            await pool.release(lease)
+            lease = await pool.acquire(b)
+            assert lease.sandbox.id == kept and pool.counters.evicted == 0
+            await pool.release(lease)
+        finally:
+            backend.delete_gate.set()
+
+
+async def test_reuse_starts_a_quarantined_sandboxs_replacement_before_the_next_claim():
+    # The default cap leaves headroom: the replacement is a warm fill started as the
+    # quarantine is decided, while the old sandbox's delete is still in flight, so the
+    # image's next claim is a warm hit.
+    backend = MemoryBackend()
+    backend.delete_gate = asyncio.Event()
+    a, b = task(0, image="img-a"), task(0, image="img-b")
+    async with SandboxPool(backend, "reuse") as pool:
+        try:
+            await pool.prepare([a, b], concurrency=2, rollouts_per_task=4)
+            lease = await pool.acquire(a)
+            lease.sandbox.restore_fails = True
+            await pool.release(lease)
+            assert pool.counters.quarantines == 1 and backend.deleting == 1
+            assert len(backend.created_at) == 3 and pool.counters.evicted == 0
+            hits = pool.counters.warm_hits
+            lease = await pool.acquire(a)
+            assert pool.counters.warm_hits == hits + 1
+            await pool.release(lease)
+        finally:
+            backend.delete_gate.set()

@@ -345,7 +345,7 @@ class SandboxPool:
             await self.hydrate(image)
         slots = self.strategy.plan(demand, concurrency)
         if self.limits.max_live is None:
-            self._max_live = max(self.strategy.max_live(concurrency), len(slots))
+            self._max_live = self.strategy.max_live(max(concurrency, len(slots)))
         for image, n in slots.items():
             # The strategy's warm count for an empty image; the backend may hold it server-side.
             warm = self.strategy.deficit(target=n, idle=0, creating=0, leased=0, resetting=0)
@@ -512,12 +512,20 @@ class SandboxPool:
             while img.waiters and img.waiters[0].future.done():
                 img.waiters.popleft()
         # 2. Start sandboxes: first for waiting claims, then to keep warm pools at target.
+        # At the cap, a claim waits for a delete in flight (a quarantined sandbox's, say)
+        # to give back its room rather than evict an idle sandbox whose image's next
+        # rollout would then start cold and evict another: the cascade.
         live = sum(i.live for i in self._images.values())
+        freeing = sum(i.deleting for i in self._images.values())
         for name, img in self._images.items():
             pending = img.creating + (img.resetting if self.strategy.reuse else 0)
             for _ in range(max(0, len(img.waiters) - pending)):
-                if live >= self._max_live and not self._evict_one(exclude=name):
-                    break
+                if live >= self._max_live:
+                    if freeing > 0:
+                        freeing -= 1
+                        continue
+                    if not self._evict_one(exclude=name):
+                        break
                 self._start_create(name, img, warm_up=False)  # a claim waits: no extra work
                 live += 1
         now = time.monotonic()
@@ -534,9 +542,14 @@ class SandboxPool:
         self._changed.set()
 
     def _evict_one(self, exclude: str) -> bool:
-        # An idle sandbox of an image nobody waits for makes room for one that is needed.
-        for name, img in self._images.items():
-            if name != exclude and img.idle and not img.waiters:
+        # An idle sandbox of an image nobody waits for makes room for one that is needed:
+        # first one beyond its image's target (not planned for), then any.
+        for beyond in (True, False):
+            for name, img in self._images.items():
+                if name == exclude or not img.idle or img.waiters:
+                    continue
+                if beyond and len(img.idle) + img.leased + img.resetting <= img.target:
+                    continue
                 entry = img.idle.pop()
                 entry.state = SandboxState.DELETED
                 self.counters.evicted += 1

@@ -100,6 +100,12 @@ class Reuse(Strategy):
     name = "reuse"
     reuse = True
 
+    def max_live(self, concurrency: int) -> int:
+        # Headroom beyond one sandbox per lane: a quarantined sandbox holds its room until
+        # its delete returns, and its replacement starts at once (a warm fill, while the
+        # rest of the batch runs) instead of when the image's next claim asks.
+        return concurrency + max(2, math.ceil(concurrency * 0.05))
+
     def deficit(self, *, target: int, idle: int, creating: int, leased: int, resetting: int) -> int:
         return max(0, target - idle - creating - leased - resetting)
 
