@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import re
@@ -144,7 +143,8 @@ class Monitor:
                 _, _, db = await scrape_all(self.admin)
             except Exception:  # noqa: BLE001 - a missed sample is not a result
                 db = float("nan")
-            self.samples.append({"t": time.time(), "cpu_busy": busy, "mem_used_gb":
+            self.samples.append({"t": time.time(), "cpu_busy": busy, "load1": os.getloadavg()[0],
+                                 "mem_used_gb":
                                  (mem["MemTotal"] - mem["MemAvailable"]) / 1e9, "etcd_db_mb": db / 1e6})
 
     def start(self) -> None:
@@ -160,6 +160,8 @@ class Monitor:
             return {}
         return {"cpu_busy_mean": sum(x["cpu_busy"] for x in s) / len(s),
                 "cpu_busy_max": max(x["cpu_busy"] for x in s),
+                "load1_mean": sum(x["load1"] for x in s) / len(s),
+                "load1_max": max(x["load1"] for x in s),
                 "mem_used_gb_max": max(x["mem_used_gb"] for x in s),
                 "etcd_db_mb_max": max(x["etcd_db_mb"] for x in s)}
 
@@ -253,15 +255,10 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         if plan and wi + 1 < len(plan.windows):  # the next window pulls while this one runs
             next_pull = asyncio.create_task(
                 backend.prepull(plan.windows[wi + 1], name=f"w{wi + 1}"))
-        # reuse: room beyond one sandbox per image, so a quarantined sandbox's replacement
-        # never evicts another image's idle sandbox (which would cascade into cold creates).
-        wlimits = (dataclasses.replace(limits, max_live=int(len(window) * args.reuse_lanes
-                                                             * 1.1) + 4)
-                   if name == "reuse" else limits)
         wbackend = make_backend() if plan and len(plan.windows) > 1 else backend
         if wbackend is not backend:
             wbackend._node_of.update(plan.node_of)
-        async with SandboxPool(wbackend, strategy, wlimits) as pool:
+        async with SandboxPool(wbackend, strategy, limits) as pool:
             wtasks = [tasks[i] for i in window]
             # reuse: one sandbox per image, its rollouts back to back on it (the pool's
             # reuse plan splits the lanes over the images); the others: every lane at once.
@@ -349,6 +346,8 @@ def table(runs: dict[str, dict]) -> str:
         ("wall time (s)", lambda r: f"{r['wall_s']:.1f}"),
         ("CPU busy mean/max", lambda r: "{:.0%}/{:.0%}".format(
             r["resources"].get("cpu_busy_mean", 0), r["resources"].get("cpu_busy_max", 0))),
+        ("load avg 1m mean/max", lambda r: "{:.0f}/{:.0f}".format(
+            r["resources"].get("load1_mean", 0), r["resources"].get("load1_max", 0))),
         ("memory used max (GB)", lambda r: f"{r['resources'].get('mem_used_gb_max', 0):.1f}"),
         ("etcd db max (MB)", lambda r: f"{r['resources'].get('etcd_db_mb_max', 0):.0f}"),
     ]
@@ -473,7 +472,9 @@ async def main() -> None:
         await mon.stop()
         await admin.aclose()
     plans = [f"[{n}] {r['plan_text']}" for n, r in runs.items() if r.get("plan_text")]
-    text = "\n".join([head, table(runs), "", *verdicts(runs), "", *plans])
+    reasons = [f"[{n}] quarantined {q}" for n, r in runs.items()
+               for pc in r.get("pool_counters", []) for q in pc.get("quarantine_reasons", [])]
+    text = "\n".join([head, table(runs), "", *verdicts(runs), "", *reasons, *plans])
     print(text)
     (args.out / "k8s_burst.txt").write_text(text + "\n")
     (args.out / "k8s_burst.json").write_text(json.dumps(
