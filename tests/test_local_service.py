@@ -160,3 +160,19 @@ async def test_the_service_output_is_kept_on_the_host_out_of_the_sandbox(statefu
     res = await sb.exec(f'grep -rs "$K" {SERVICE_DIR} /tmp /testbed; true', env={"K": key})
     assert res.ok and key not in res.text
     assert f"said-{key}" in (sb.state_dir / "stderr.log").read_text()
+
+
+@pytest.mark.parametrize("change", [
+    "prlimit --pid $(pgrep -x sleep) --fsize=1024:1024",   # its children could not write files
+    "prlimit --pid $(pgrep -x sleep) --nofile=16:16",
+    "renice -n 19 -p $(pgrep -x sleep)",
+    "taskset -p 1 $(pgrep -x sleep)",
+])
+async def test_reset_quarantines_a_sandbox_whose_service_limits_or_priority_were_changed(
+        stateful_backend, calc_commits, change):
+    sb = await stateful_backend.create(CALC_IMAGE)
+    res = await sb.exec(change)
+    assert res.ok, res.err_text  # same uid: allowed without ptrace
+    outcome = await reset_in_place(sb, calc_commits["buggy"])
+    assert not outcome.ok
+    assert any("resource limits" in p for p in outcome.problems), outcome.problems

@@ -241,3 +241,15 @@ async def test_a_signalled_server_serves_the_next_rollout_or_its_sandbox_is_quar
         assert "service" in one_sandbox_pool.counters.quarantine_reasons[-1]
     else:  # caught and ignored: the same server serves the next rollout
         assert quarantined == 0 and first == second
+
+
+@pytest.mark.parametrize("change", [f"prlimit --pid {SERVER_PID} --fsize=4096:4096", f"renice -n 19 -p {SERVER_PID}"])
+async def test_limits_or_priority_set_on_the_server_quarantine_its_sandbox(one_sandbox_pool, calc_task, change):
+    # Same uid, no ptrace needed; the server's terminals (rollout 2's commands) would inherit it.
+    def plant(ws: SandpoolWorkspace, mark: str) -> None:
+        res = ws._run(ws.lease.exec(change))
+        assert res.ok, res.err_text
+
+    first, second, _, quarantined = await asyncio.to_thread(two_rollouts, one_sandbox_pool, calc_task, plant)
+    assert quarantined == 1 and first != second
+    assert "resource limits" in one_sandbox_pool.counters.quarantine_reasons[-1]

@@ -19,18 +19,41 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sandpool.core.backends.local import ServiceSpec
 
-__all__ = ["RunningService", "tree", "tree_diff"]
+__all__ = ["RunningService", "proc_argv", "proc_state", "tree", "tree_diff"]
 
 
 @dataclass
 class RunningService:
     """A sandbox's running service: its spec, pid and start time inside the sandbox (clock
-    ticks, ``/proc/<pid>/stat`` field 22), and its directory's pristine tree (``tree``)."""
+    ticks, ``/proc/<pid>/stat`` field 22), what :func:`proc_state` read of it when fresh, and
+    its directory's pristine tree (:func:`tree`)."""
 
     spec: ServiceSpec
     pid: int
     start: str
+    attrs: str
     pristine: dict[str, tuple[str, ...]]
+
+
+def proc_argv(pid: int) -> list[str]:
+    """A command (run in the sandbox) printing what the reset compares of process ``pid``."""
+    p = f"/proc/{pid}"
+    return ["/bin/sh", "-c", f"cat {p}/stat && cat {p}/limits && grep ^Cpus_allowed_list {p}/status"]
+
+
+def proc_state(text: str) -> tuple[str, str, str] | None:
+    """``(state, start time, attributes)`` from :func:`proc_argv`'s output, None if unreadable.
+
+    The attributes are what a process of the same uid can change in another without ptrace
+    (so a non-dumpable service is still exposed), and its children inherit: its nice value
+    (``setpriority``), resource limits (``prlimit --pid``: a tiny ``RLIMIT_FSIZE`` or
+    ``RLIMIT_NOFILE`` would break the next rollout's terminals) and CPU affinity.
+    """
+    first, _, rest = text.partition("\n")
+    fields = first.rsplit(")", 1)[-1].split()
+    if len(fields) < 20 or not rest:
+        return None
+    return fields[0], fields[19], f"nice {fields[16]}\n{rest}"
 
 
 _TREE_MAX = 10_000  # paths; a service directory holding more is not pristine anyway

@@ -66,7 +66,7 @@ from pydantic import BaseModel, ValidationError
 from sandpool.core import errors
 from sandpool.core.backends import _cgroup, _idmap, _oci, _overlay, _quota
 from sandpool.core.backends._agent_client import exec_result
-from sandpool.core.backends._service import RunningService, tree, tree_diff
+from sandpool.core.backends._service import RunningService, proc_argv, proc_state, tree, tree_diff
 from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox
 from sandpool.core.images import ID_BASE, ImageStore, OciImage
 from sandpool.core.mounts import mount_overlay
@@ -418,7 +418,8 @@ class LocalSandbox(Sandbox):
         :meth:`Sandbox.restore_service`.
 
         Checks, in order: the service is the process started with the sandbox (same pid and
-        start time), alive and not stopped; its :attr:`ServiceSpec.reset_argv` exits 0; its
+        start time), alive, not stopped, with the priority, resource limits and CPU affinity it
+        started with (``_service.proc_state``); its :attr:`ServiceSpec.reset_argv` exits 0; its
         directory, read on the host, is what it was when recorded fresh (every path's type and
         mode, each file's bytes, each link's target). Run it with no process of the rollout
         left (:meth:`kill_strays`). Cost: one ``/proc`` read, ``reset_argv``, a walk of the
@@ -439,12 +440,16 @@ class LocalSandbox(Sandbox):
         return problems or await self._service_running(svc, timeout)
 
     async def _service_running(self, svc: RunningService, timeout: float) -> list[str]:
-        res = await self.exec(["cat", f"/proc/{svc.pid}/stat"], timeout=timeout)
-        fields = res.stdout.decode(errors="replace").rsplit(")", 1)[-1].split()
-        if not res.ok or len(fields) < 20 or fields[19] != svc.start:
+        res = await self.exec(proc_argv(svc.pid), timeout=timeout)
+        got = proc_state(res.text) if res.ok else None
+        if got is None or got[1] != svc.start:
             return [f"its service (pid {svc.pid}) is gone: killed or exited during the rollout"]
-        if fields[0] in ("T", "t", "Z", "X"):
-            return [f"its service (pid {svc.pid}) is stopped or dead (state {fields[0]})"]
+        state, _, attrs = got
+        if state in ("T", "t", "Z", "X"):
+            return [f"its service (pid {svc.pid}) is stopped or dead (state {state})"]
+        if attrs != svc.attrs:
+            return [f"its service's (pid {svc.pid}) priority, resource limits or CPU affinity "
+                    "were changed during the rollout"]
         return []
 
     async def _service_reset(self, svc: RunningService, timeout: float) -> list[str]:
@@ -836,8 +841,10 @@ class LocalBackend(Backend):
                 raise errors.SandboxStartError(
                     f"sandbox {sandbox.id}: its service did not become ready (exit {res.exit_code}, "
                     f"timed out: {res.timed_out}): {log.strip() or res.err_text[-500:]}")
-        stat_line = (await sandbox.exec(["cat", f"/proc/{pid}/stat"], timeout=30.0)).stdout.decode()
-        svc = RunningService(spec, pid, stat_line.rsplit(")", 1)[-1].split()[19], {})
+        got = proc_state((await sandbox.exec(proc_argv(pid), timeout=30.0)).text)
+        if got is None:
+            raise errors.SandboxStartError(f"sandbox {sandbox.id}: its service (pid {pid}) exited at start")
+        svc = RunningService(spec, pid, got[1], got[2], {})
         # The pristine state is the fresh service's after one reset: what every reset restores.
         problems = await sandbox._service_reset(svc, spec.ready_timeout)
         if problems:
