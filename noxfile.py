@@ -158,16 +158,48 @@ def _cached_venv(session: nox.Session, name: str, pins: list[str], later: tuple[
     return venv
 
 
-def _run_pytest(session: nox.Session, venv: Path, tests: str) -> None:
-    env = {"PYTHONPATH": str(ROOT), "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+#: The Kubernetes backend's client and the cluster tests' client, for tests/openhands' pod
+#: route; laid over the openhands venv (see _extras) so that venv's key stays the same.
+OPENHANDS_K8S_EXTRAS = ["kubernetes_asyncio>=32", "aiohttp>=3.9", "kubernetes>=30", "pyyaml>=6"]
+
+
+def _extras(session: nox.Session, venv: Path, pins: list[str]) -> Path:
+    """A ``pip install --target`` directory of ``pins`` for ``venv``, put on ``PYTHONPATH``.
+
+    Constrained to the versions ``venv`` already has, so nothing it holds changes; cached under
+    ``sandpool_home()/venvs/<venv name>-extras-<hash of the pins>`` (seconds to build).
+    """
+    key = hashlib.sha256("\n".join(sorted(pins)).encode()).hexdigest()[:12]
+    target = _venvs_home() / f"{venv.name}-extras-{key}"
+    stamp = target / ".installed"
+    if stamp.exists():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    py = str(venv / "bin" / "python")
+    freeze = subprocess.run([py, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True, text=True,
+                            check=True).stdout
+    target.mkdir(parents=True)
+    (target / "constraints.txt").write_text("".join(line + "\n" for line in freeze.splitlines()
+                                                    if "==" in line))
+    session.run(py, "-m", "pip", "install", "-q", "--target", str(target), "-c", str(target / "constraints.txt"),
+                *pins, external=True)
+    stamp.write_text("\n".join(pins) + "\n")
+    return target
+
+
+def _run_pytest(session: nox.Session, venv: Path, tests: str, extras: Path | None = None) -> None:
+    path = os.pathsep.join([str(ROOT), *([str(extras)] if extras else [])])
+    env = {"PYTHONPATH": path, "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     session.run(str(venv / "bin" / "python"), "-m", "pytest", tests, "-p", "no:cacheprovider",
                 *session.posargs, env=env, external=True)
 
 
 @nox.session(python=False)
 def openhands(session: nox.Session) -> None:
-    """Run tests/openhands with the real OpenHands SDK 1.58.2 (cached venv, built as needed)."""
-    _run_pytest(session, _cached_venv(session, "openhands-sdk", OPENHANDS_SDK), "tests/openhands")
+    """Run tests/openhands with the real OpenHands SDK 1.58.2 (cached venv, built as needed),
+    the Kubernetes route on the local cluster included (hack/cluster; its client laid over)."""
+    venv = _cached_venv(session, "openhands-sdk", OPENHANDS_SDK)
+    _run_pytest(session, venv, "tests/openhands", _extras(session, venv, OPENHANDS_K8S_EXTRAS))
 
 
 @nox.session(python=False)

@@ -9,8 +9,18 @@ Prints, for the calc test image on the local backend:
   at claim time).
 
     python bench/openhands_startup.py [--rounds 3]
+    python bench/openhands_startup.py --kubeconfig ~/.cache/sandpool/cluster/run/kubeconfig
 
-It needs the SDK 1.58 venv (``nox -s openhands`` builds one) and root (bubblewrap overlays).
+With ``--kubeconfig`` (the local kwok cluster of ``hack/cluster``, started with ``cluster.py
+up``) it prints the same for pods of the Kubernetes backend instead:
+
+* the agent-server's start in an already Ready pod (through its agent session, up to its
+  ``/health`` answering), next to the pod sandbox's creation without it;
+* claim to first command: a lease's first ``exec`` (agent session) and a workspace's first
+  ``execute_command`` through the relay and ``pods/portforward``.
+
+It needs the SDK 1.58 venv (``nox -s openhands`` builds one; for ``--kubeconfig`` with
+kubernetes_asyncio on the path) and root (bubblewrap overlays).
 """
 
 from __future__ import annotations
@@ -43,12 +53,17 @@ def _ms(xs: list[float]) -> str:
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--kubeconfig", help="run on this cluster's pods (the local kwok cluster)")
+    ap.add_argument("--namespace", default="default")
     args = ap.parse_args()
     root = sandpool_home() / "test-images"
     commits = _build_calc_image(root)
     task = Task(instance_id="calc__bench", repo="sandpool/calc", base_commit=commits["buggy"],
                 image="sandpool.test/calc:2", problem_statement="bench", FAIL_TO_PASS=["test_calc.py::test_add"])
     env = agent_server_env()
+    if args.kubeconfig:
+        await kubernetes(args, root, task, env)
+        return
     plain, served = LocalBackend(root), LocalBackend(root, service=agent_server_service(env))
     create = {"plain": [], "agent-server": []}
     for _ in range(args.rounds):
@@ -81,6 +96,54 @@ async def main() -> None:
     print("claim to first command (warm pool, in-place reset between claims)")
     for name, xs in first.items():
         print(f"  {name:14s} {_ms(xs)}")
+
+
+async def kubernetes(args: argparse.Namespace, root: Path, task: Task, env: Path) -> None:
+    from sandpool.core.backends.kubernetes import KubernetesBackend
+    from sandpool.core.backends.kubernetes._service import start_service
+    from sandpool.integrations.openhands.pod_server import agent_server_pod_service
+    from sandpool.testing.kwok import exec_prefix, local_pack_image_map
+
+    spec = agent_server_pod_service(env)
+    opts = {"namespace": args.namespace, "image_map": local_pack_image_map(root), "exec_prefix": exec_prefix,
+            "ready_timeout": 300}
+    plain = KubernetesBackend(args.kubeconfig, **opts)
+    create, server = [], []
+    try:
+        for _ in range(args.rounds):
+            t0 = time.monotonic()
+            sb = await plain.create(task.image)
+            create.append(time.monotonic() - t0)
+            t0 = time.monotonic()
+            await start_service(sb, spec)  # what a served backend adds to each creation
+            server.append(time.monotonic() - t0)
+            await plain.delete(sb)
+    finally:
+        await plain.aclose()
+    print("pod sandbox (agent-sandbox claim on a warm pool, kwok)")
+    print(f"  {'creation':22s} {_ms(create)}")
+    print(f"  {'agent-server start':22s} {_ms(server)}  (in the Ready pod, paid while the pool warms)")
+
+    first = {"lease.exec": [], "workspace (port-fwd)": []}
+    served = KubernetesBackend(args.kubeconfig, service=spec, **opts)
+    async with SandboxPool(served, strategy="reuse", limits=PoolLimits(create_timeout=900)) as pool:
+        await pool.prepare([task], concurrency=1)
+        for _ in range(args.rounds):
+            t0 = time.monotonic()
+            async with pool.claim(task) as lease:
+                await lease.exec("true")
+                first["lease.exec"].append(time.monotonic() - t0)
+
+            def via_workspace() -> float:
+                t1 = time.monotonic()
+                with SandpoolWorkspace(pool, task) as ws:
+                    ws.execute_command("true")
+                    return time.monotonic() - t1
+
+            first["workspace (port-fwd)"].append(await asyncio.to_thread(via_workspace))
+    print("claim to first command (warm pool, in-place reset between claims)")
+    for name, xs in first.items():
+        print(f"  {name:22s} {_ms(xs)}")
 
 
 if __name__ == "__main__":

@@ -50,6 +50,9 @@ SANDBOX_CRDS = (
     "extensions.agents.x-k8s.io_sandboxwarmpools.yaml",
 )
 KWOK_CRDS = ("kwok.x-k8s.io_execs.yaml", "kwok.x-k8s.io_clusterexecs.yaml")
+# Installed at `up`, copied from the module cache when a build made before they were used
+# lacks them (the binaries do not change, so the build key does not either).
+KWOK_LATE_CRDS = ("kwok.x-k8s.io_portforwards.yaml",)
 KWOK_NODE_STAGES = (
     "node/fast/node-initialize.yaml",
     "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
@@ -332,7 +335,7 @@ def build(args: argparse.Namespace | None = None) -> Path:
         kwdir = _module_dir(go, v["KWOK_MODULE"], v["KWOK_VERSION"], out)
         for f in SANDBOX_CRDS:
             shutil.copyfile(asdir / "k8s" / "crds" / f, out / "crds" / f)
-        for f in KWOK_CRDS:
+        for f in (*KWOK_CRDS, *KWOK_LATE_CRDS):
             shutil.copyfile(kwdir / "kustomize" / "crd" / "bases" / f, out / "crds" / f)
         for f in KWOK_NODE_STAGES:
             shutil.copyfile(kwdir / "kustomize" / "stage" / f, out / "stages" / Path(f).name)
@@ -730,8 +733,14 @@ def _start(state, args, bins: Path, out: Path, pki: Path, server: str, kubeconfi
     spawn(state, "kube-scheduler", [str(bins / "kube-scheduler"), *common])
 
     # CRDs: the apiserver parses YAML bodies itself.
+    missing = [f for f in KWOK_LATE_CRDS if not (out / "crds" / f).exists()]
+    if missing:
+        v = read_versions()
+        kwdir = _module_dir(find_go(), v["KWOK_MODULE"], v["KWOK_VERSION"], out)
+        for f in missing:
+            shutil.copyfile(kwdir / "kustomize" / "crd" / "bases" / f, out / "crds" / f)
     crd_names = []
-    for f in (*SANDBOX_CRDS, *KWOK_CRDS):
+    for f in (*SANDBOX_CRDS, *KWOK_CRDS, *KWOK_LATE_CRDS):
         for doc in split_yaml_documents((out / "crds" / f).read_text()):
             obj = kube.request(
                 "POST",
@@ -811,7 +820,7 @@ def _start(state, args, bins: Path, out: Path, pki: Path, server: str, kubeconfi
             f"--tls-private-key-file={pki / 'kwok.key'}",
             "--cidr=10.244.0.1/16",
             "--node-lease-duration-seconds=40",
-            "--enable-crds=Exec,ClusterExec",
+            "--enable-crds=Exec,ClusterExec,PortForward",
         ],
         env=env,
     )

@@ -12,9 +12,15 @@ node:
 3. computes the simulated start latency (image pull + sandbox boot, see README.md)
    and annotates the pod with it and with ``sandpool.io/provisioned: "true"``;
    the kwok Stages only start the pod after that annotation, so a pod is never
-   Ready before exec into it works.
+   Ready before exec into it works;
+4. gives the pod a run directory ``<workdir>.run`` (``$SANDPOOL_POD_RUN`` in its execs) and,
+   when its containers declare ``ports``, a kwok ``PortForward`` (kwok.x-k8s.io/v1alpha1)
+   named like the pod: kwok nodes share the host's network, so a process of the pod that
+   serves port P listens on the unix socket ``$SANDPOOL_POD_PORTS/P`` (``<run>/ports/P``),
+   and a port-forward of P (``pods/portforward``) runs a bridge between the stream and that
+   socket. No TCP port is opened on the host.
 
-When a pod is deleted, its directory is removed (the Exec goes with the pod through
+When a pod is deleted, its directories are removed (the Exec goes with the pod through
 its owner reference). Standard library only.
 """
 
@@ -29,6 +35,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -38,6 +45,31 @@ from imagemodel import ImageModel
 from kubeapi import ApiError, Kube
 
 ANN = "sandpool.io/"
+# Run by kwok for each port-forward stream (stdin/stdout) of a declared port: pipes the stream
+# to and from the unix socket argv[1] until the server closes it. Connects by a relative name:
+# a pod's path can be longer than a socket address holds (108 bytes).
+BRIDGE = r"""
+import os, socket, sys, threading
+s = socket.socket(socket.AF_UNIX)
+try:
+    os.chdir(os.path.dirname(sys.argv[1]))
+    s.connect(os.path.basename(sys.argv[1]))
+except OSError as e:
+    sys.exit(f"nothing listens on {sys.argv[1]}: {e}")
+def up():
+    try:
+        while data := os.read(0, 65536):
+            s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+threading.Thread(target=up, daemon=True).start()
+try:
+    while data := s.recv(65536):
+        os.write(1, data)
+except OSError:
+    pass
+"""
 CACHED_IMAGES = ANN + "cached-images"
 LOG = logging.getLogger("provisioner")
 
@@ -133,6 +165,7 @@ class Provisioner:
             old = uid_file.read_text() if uid_file.exists() else ""
             if old != uid:
                 shutil.rmtree(workdir, ignore_errors=True)
+                shutil.rmtree(f"{workdir}.run", ignore_errors=True)
         uid_file.parent.mkdir(parents=True, exist_ok=True)
         uid_file.write_text(uid)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -155,7 +188,10 @@ class Provisioner:
             {"name": "SANDPOOL_POD_NAME", "value": name},
             {"name": "SANDPOOL_POD_NAMESPACE", "value": ns},
             {"name": "SANDPOOL_WORKDIR", "value": str(workdir)},
+            {"name": "SANDPOOL_POD_RUN", "value": f"{workdir}.run"},
+            {"name": "SANDPOOL_POD_PORTS", "value": f"{workdir}.run/ports"},
         ]
+        (Path(f"{workdir}.run") / "ports").mkdir(parents=True, exist_ok=True)
         targets = []
         for c in pod["spec"]["containers"]:
             envs = [
@@ -180,15 +216,15 @@ class Provisioner:
             },
             "spec": {"execs": targets},
         }
-        path = f"/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/execs"
-        try:
-            kube.request("POST", path, exec_obj)
-        except ApiError as e:
-            if e.status != 409:
-                raise
-            old = kube.request("GET", f"{path}/{name}")
-            exec_obj["metadata"]["resourceVersion"] = old["metadata"]["resourceVersion"]
-            kube.request("PUT", f"{path}/{name}", exec_obj)
+        self._apply(kube, ns, "execs", exec_obj)
+        ports = sorted({p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []})
+        if ports:
+            forwards = [
+                {"ports": [p], "command": [sys.executable, "-c", BRIDGE, f"{workdir}.run/ports/{p}"]}
+                for p in ports
+            ]
+            self._apply(kube, ns, "portforwards", dict(
+                exec_obj, kind="PortForward", spec={"forwards": forwards}))
 
         if self.model is not None:
             # The pod starts when the model says its images are on the node.
@@ -203,6 +239,20 @@ class Provisioner:
         self._mark_provisioned(kube, pod, verdict, pull_ms, boot_ms, t0)
         if new_images:
             self._record_pull(kube, pod["spec"]["nodeName"])
+
+    @staticmethod
+    def _apply(kube: Kube, ns: str, resource: str, obj: dict[str, Any]) -> None:
+        """Create the kwok object ``obj`` (or replace the one of its name)."""
+        path = f"/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/{resource}"
+        name = obj["metadata"]["name"]
+        try:
+            kube.request("POST", path, obj)
+        except ApiError as e:
+            if e.status != 409:
+                raise
+            old = kube.request("GET", f"{path}/{name}")
+            obj = dict(obj, metadata=dict(obj["metadata"], resourceVersion=old["metadata"]["resourceVersion"]))
+            kube.request("PUT", f"{path}/{name}", obj)
 
     def _mark_provisioned(
         self, kube: Kube, pod: dict[str, Any], verdict: str, pull_ms: float, boot_ms: float,
@@ -282,6 +332,7 @@ class Provisioner:
         shutil.rmtree(self.workdir(ns, name), ignore_errors=True)
         # The pod's private /tmp (sandpool.testing.kwok.exec_prefix), next to its workdir.
         shutil.rmtree(f"{self.workdir(ns, name)}.tmp", ignore_errors=True)
+        shutil.rmtree(f"{self.workdir(ns, name)}.run", ignore_errors=True)
         uid_file.unlink(missing_ok=True)
         LOG.info("removed workdir of %s/%s", ns, name)
 

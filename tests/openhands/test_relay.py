@@ -69,3 +69,37 @@ async def test_relay_closes_the_client_when_the_socket_is_gone(tmp_path):
         w.close()
     finally:
         await relay.aclose()
+
+
+async def test_relay_answers_410_once_the_sandbox_is_gone_and_cuts_open_connections(tmp_path):
+    held = asyncio.Event()
+
+    async def hold(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.set()
+        await r.read()  # never answers: a stream into a sandbox that stopped
+        w.close()
+
+    server = await asyncio.start_unix_server(hold, str(tmp_path / "s.sock"))
+    why: list[str] = []
+    relay = UnixRelay(tmp_path / "s.sock", gone=lambda: why[0] if why else None)
+    port = await relay.start()
+    try:
+        r1, w1 = await asyncio.open_connection("127.0.0.1", port)
+        w1.write(b"GET /events HTTP/1.1\r\nHost: x\r\n\r\n")
+        await w1.drain()
+        await held.wait()
+        why.append("sandbox sb-1 died")
+        try:  # the open connection is cut (a close or a reset), not left hanging
+            assert await r1.read() == b""
+        except ConnectionResetError:
+            pass
+        w1.close()
+        r2, w2 = await asyncio.open_connection("127.0.0.1", port)
+        w2.write(b"GET /api/conversations HTTP/1.1\r\nHost: x\r\n\r\n")
+        await w2.drain()
+        answer = await r2.read()
+        assert answer.startswith(b"HTTP/1.1 410 Gone\r\n") and answer.endswith(b"sandbox sb-1 died\n")
+        w2.close()
+    finally:
+        await relay.aclose()
+        server.close()

@@ -4,7 +4,9 @@
   :func:`run_conversation`, :func:`openhands_episode` (``conversation.py``, ``tools.py``).
 * The agent-server inside the sandbox (1.58): :class:`SandpoolWorkspace`, an OpenHands
   ``RemoteWorkspace`` (``workspace.py``), over a local backend started with
-  :func:`agent_server_service` (``server.py``) and reached through :class:`UnixRelay`.
+  :func:`agent_server_service` (``server.py``) and reached through :class:`UnixRelay`, or
+  over a Kubernetes backend started with :func:`agent_server_pod_service` (``pod_server.py``)
+  and reached through a :class:`Relay` over ``pods/portforward``.
 * The app server's sandbox selection (openhands-ai 1.11.0):
   ``OH_SANDBOX_KIND=sandpool.integrations.openhands.SandpoolSandboxServiceInjector``
   (``app_server.py``).
@@ -35,6 +37,8 @@ _WHERE = {
     "SandpoolWorkspace": "workspace",
     "agent_server_env": "server",
     "agent_server_service": "server",
+    "agent_server_pod_service": "pod_server",
+    "Relay": "relay",
     "UnixRelay": "relay",
     "SandpoolSandboxServiceInjector": "app_server",
     "SandpoolAppLifespanService": "app_server",

@@ -2,8 +2,10 @@
 
 ``Conversation(agent, workspace=SandpoolWorkspace(pool, task))`` runs with unchanged OpenHands
 code: the workspace claims a sandbox whose agent-server is already up (it started while the
-pool warmed, see :mod:`sandpool.integrations.openhands.server`), relays it to
-``127.0.0.1:<port>``, and hands OpenHands that URL and the server's session key. Closing the
+pool warmed, see :mod:`sandpool.integrations.openhands.server` for the local backend and
+:mod:`sandpool.integrations.openhands.pod_server` for Kubernetes), relays it to
+``127.0.0.1:<port>`` (from the sandbox's unix socket, or from the pod's port through
+``pods/portforward``), and hands OpenHands that URL and the server's session key. Closing the
 workspace (or leaving its ``with`` block) releases the sandbox: reset in place for the next
 rollout, or deleted when it failed.
 
@@ -32,13 +34,28 @@ from sandpool.core import errors
 from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
 from sandpool.envs.grading import GradeResult, grade
-from sandpool.integrations.openhands.relay import UnixRelay
+from sandpool.integrations.openhands.relay import Relay, UnixRelay
 from sandpool.integrations.openhands.server import SESSION_KEY, SOCKET
 
 __all__ = ["SandpoolWorkspace"]
 
 T = TypeVar("T")
 _PROBE = "git rev-parse HEAD"  # the first command: sets TTFC, proves the sandbox answers
+
+
+def _relay_for(sandbox: Any) -> Relay | None:
+    """The relay to ``sandbox``'s agent-server: its unix socket (local backend), or its port
+    through ``pods/portforward`` (Kubernetes backend); None when it runs no server."""
+    def gone() -> str | None:
+        return None if sandbox.alive() else f"sandbox {sandbox.id} died"
+
+    service_dir = getattr(sandbox, "service_dir", None)
+    if service_dir is not None:
+        return UnixRelay(service_dir / SOCKET.rsplit("/", 1)[1], gone=gone)
+    port = getattr(sandbox, "service_port", None)
+    if port is not None:
+        return Relay(lambda: sandbox.open_port(port), f"pod {sandbox.pod}:{port}", gone=gone)
+    return None
 
 
 class SandpoolWorkspace(RemoteWorkspace):
@@ -53,7 +70,8 @@ class SandpoolWorkspace(RemoteWorkspace):
 
     Args:
         pool: An open :class:`SandboxPool` whose backend runs the agent-server service
-            (``LocalBackend(service=agent_server_service(...))``).
+            (``LocalBackend(service=agent_server_service(...))`` or
+            ``KubernetesBackend(service=agent_server_pod_service(...))``).
         task: The task; the sandbox is claimed at its ``base_commit``, and ``working_dir`` is
             its repo.
         claim_timeout: Seconds to wait for a sandbox (default: the pool's).
@@ -69,7 +87,7 @@ class SandpoolWorkspace(RemoteWorkspace):
     claim_timeout: float | None = None
 
     _lease: Lease | None = PrivateAttr(default=None)
-    _relay: UnixRelay | None = PrivateAttr(default=None)
+    _relay: Relay | None = PrivateAttr(default=None)
 
     def __init__(self, pool: SandboxPool, task: Task, **data: Any) -> None:
         data.setdefault("host", "http://127.0.0.1:0")  # set once the relay listens
@@ -84,14 +102,15 @@ class SandpoolWorkspace(RemoteWorkspace):
         lease = self._run(pool.acquire(self.task, timeout=self.claim_timeout))
         self._lease = lease
         try:
-            service_dir = getattr(lease.sandbox, "service_dir", None)
+            relay = _relay_for(lease.sandbox)
             key = getattr(lease.sandbox, "service_env", {}).get(SESSION_KEY)
-            if service_dir is None or key is None:
+            if relay is None or key is None:
                 raise errors.ConfigError(
                     "the pool's sandboxes run no OpenHands agent-server; make the pool over "
-                    "LocalBackend(service=agent_server_service())")
+                    "LocalBackend(service=agent_server_service()) or "
+                    "KubernetesBackend(service=agent_server_pod_service())")
             self._run(lease.exec(_PROBE, timeout=30.0))
-            self._relay = UnixRelay(service_dir / SOCKET.rsplit("/", 1)[1])
+            self._relay = relay
             self._run(self._relay.start())
             object.__setattr__(self, "host", self._relay.url)
             object.__setattr__(self, "api_key", key)

@@ -3,7 +3,8 @@
 Layout: :mod:`.backend` (the backend: shared state, create/delete/close) assembled from its
 seams :mod:`._claims` (templates, warm pools, claims), :mod:`._pods` (plain pods, pod
 status), :mod:`._preflight` and :mod:`._gc`; :mod:`._sandbox` (the sandbox) over
-:mod:`._exec` (the exec channel protocol and the in-pod command wrapper); :mod:`._http`
+:mod:`._exec` (the exec channel protocol and the in-pod command wrapper), :mod:`._service`
+(a long-lived service per pod) and :mod:`._portforward` (a connection to a pod's port); :mod:`._http`
 (REST/watch/exec over one session, throttled and retried), :mod:`._errors` (the one
 error-translation boundary), :mod:`._watch` (the shared watch per resource),
 :mod:`._manifests` (the objects sent). The kwok test cluster's pieces live in
@@ -23,10 +24,11 @@ __all__ = [
     "KubernetesBackend",
     "KubernetesSandbox",
     "PodImage",
+    "PodService",
     "gc",
 ]
 
-_WHERE = {"PodImage": "_manifests"}
+_WHERE = {"PodImage": "_manifests", "PodService": "_service"}
 
 
 def __getattr__(name: str) -> Any:

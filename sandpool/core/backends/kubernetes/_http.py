@@ -290,6 +290,7 @@ class KubeHttp:
         protocols: tuple[str, ...],
         *,
         connect_timeout: float = 30.0,
+        accept: str = "application/json",
     ) -> aiohttp.ClientWebSocketResponse:
         """Open a WebSocket to ``path`` (the exec subresource), retrying as :meth:`request` does.
 
@@ -310,6 +311,9 @@ class KubeHttp:
         Returns:
             The open WebSocket.
 
+        ``accept`` is the ``Accept`` header (kwok 0.8's kubelet answers a port-forward asking
+        for JSON with 406).
+
         Raises:
             SandboxDied: 404, the pod is gone.
             ExecTransportError: The handshake failed (after ``retries`` retries for 429/5xx
@@ -328,7 +332,7 @@ class KubeHttp:
                     self.session.ws_connect(
                         url,
                         protocols=protocols,
-                        headers=await self.headers(),
+                        headers={**await self.headers(), "Accept": accept},
                         max_msg_size=0,
                         autoping=True,
                     ),

@@ -19,6 +19,7 @@ from sandpool.core.backends.kubernetes import _manifests as m
 from sandpool.core.backends.kubernetes._exec import ExecTarget
 from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
+from sandpool.core.backends.kubernetes._service import start_service
 from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
 
 if TYPE_CHECKING:
@@ -222,6 +223,15 @@ class PodsMixin:
             try:
                 await self._open_session(sb)
             except BaseException:  # the caller deletes its object; this sandbox never was
+                self._live.pop(sb.id, None)
+                self._by_pod.pop(pod_name, None)
+                raise
+        if self.service is not None:  # while the pool warms: the claim finds it running
+            try:
+                await start_service(sb, self.service)
+            except BaseException:  # as above; the session (and the service with it) ends
+                sb._mark_dead("its service did not start")
+                await sb._close_session()
                 self._live.pop(sb.id, None)
                 self._by_pod.pop(pod_name, None)
                 raise

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes._exec import PROCS, ExecTarget, build_argv, run_exec
+from sandpool.core.backends.kubernetes._portforward import PortStream, open_port
 from sandpool.core.backends.kubernetes._session import AgentSession
 from sandpool.core.base import ExecResult, Sandbox
 
@@ -84,6 +85,10 @@ class KubernetesSandbox(Sandbox):
         self._session: AgentSession | None = None
         #: (resource, name) deleted to end this sandbox: its claim, Sandbox object or pod.
         self.owner: tuple[str, str] = ("pods", target.pod)
+        #: The environment the backend's service was started with (its secrets included),
+        #: and the port it serves in the pod (:mod:`._service`); empty / None without one.
+        self.service_env: dict[str, str] = {}
+        self.service_port: int | None = None
 
     @property
     def channel(self) -> str:
@@ -109,6 +114,17 @@ class KubernetesSandbox(Sandbox):
         if self._dead is not None:  # the pod died while the request ran: its answer is void
             raise self._died()
         return res
+
+    async def open_port(self, port: int) -> PortStream:
+        """Open one connection to ``port`` inside the pod (``pods/portforward``).
+
+        Raises:
+            SandboxDied: The pod is gone.
+            ExecTransportError, BackendUnavailable: The handshake failed.
+        """
+        if self._dead is not None:
+            raise self._died()
+        return await open_port(self._backend._http, self._target.namespace, self.pod, port)
 
     def __repr__(self) -> str:
         state = f"dead: {self._dead}" if self._dead else "alive"

@@ -39,10 +39,11 @@ from sandpool.core.backends.kubernetes._pods import PodsMixin, pod_death
 from sandpool.core.backends.kubernetes._preflight import PreflightMixin
 from sandpool.core.backends.kubernetes._prepull import PlacementMixin
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
+from sandpool.core.backends.kubernetes._service import PodService
 from sandpool.core.backends.kubernetes._watch import Informer
 from sandpool.core.base import Backend, Sandbox
 
-__all__ = ["ExecPrefix", "ImageMap", "KubernetesBackend", "KubernetesSandbox", "gc"]
+__all__ = ["ExecPrefix", "ImageMap", "KubernetesBackend", "KubernetesSandbox", "PodService", "gc"]
 
 log = logging.getLogger("sandpool.kubernetes")
 
@@ -122,6 +123,9 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             (honouring ``Retry-After``) and connection errors: REST, and exec handshakes (the
             agent session's stream, per-command exec, file transfer over it). Past them the
             error is an infra error (``ApiError``, ``ExecTransportError``).
+        service: A long-lived process each pod starts (through its agent session) before
+            its sandbox is handed out, spared by the in-place reset; its port is declared in
+            the pod spec and reached with :meth:`KubernetesSandbox.open_port` (:mod:`._service`).
     """
 
     name = "kubernetes"
@@ -154,6 +158,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         sandbox_objects: bool = False,
         delete_batch_s: float | None = None,
         api_retries: int = 6,
+        service: PodService | None = None,
     ) -> None:
         if mode not in _MODES:
             raise errors.ConfigError(f"mode={mode!r} is not known; use one of {list(_MODES)}")
@@ -189,6 +194,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         if api_retries < 0:
             raise errors.ConfigError(f"api_retries={api_retries} must be 0 or more")
         self.api_retries = api_retries
+        self.service = service
         self._direct: set[str] = set()  # images whose sandboxes are Sandbox objects
         self._pending_deletes: dict[str, set[str]] = {}  # resource -> names (batched)
         self._flusher: asyncio.Task[None] | None = None
@@ -304,7 +310,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
     # -- images ------------------------------------------------------------------------------
 
     def _pod_spec(self, pi: PodImage, image: str | None = None) -> dict[str, Any]:
-        return m.pod_spec(
+        spec = m.pod_spec(
             pi,
             container=self.container,
             command=self.command,
@@ -314,6 +320,9 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             tolerations=self.tolerations,
             node=self._node_of.get(image) if image is not None else None,
         )
+        if self.service is not None:
+            spec["containers"][0]["ports"] = [{"name": "service", "containerPort": self.service.port}]
+        return spec
 
     def _obj_name(self, image: str) -> str:
         return f"sp-{self.run_id}-{m.slug(image)}-{m.image_key(image)}"
