@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from sandpool.core import PoolLimits, SandboxPool, errors
-from sandpool.core.backends import _overlay
+from sandpool.core.backends import _idmap, _overlay
 from sandpool.core.backends.local import LocalBackend, image_dir
 from sandpool.core.reset import SAFE_GIT, restore_git_metadata
 
@@ -192,7 +192,8 @@ async def test_restore_git_metadata_disarms_planted_code_and_keeps_the_policy_s_
     assert res.ok, res.err_text
     await restore_git_metadata(sb)
     assert await sb.processes() == []
-    assert _overlay.diff(calc_repo, sb.upper, ".git") == []
+    # The sandbox's lower layer is the image repo's copy owned by its id range.
+    assert _overlay.diff(_idmap.shifted_repo(calc_repo), sb.upper, ".git") == []
     assert (sb.upper / ".git").exists()  # the check above looked at a changed .git, restored, not an untouched one
     # Grading's git commands, through SAFE_GIT: the planted code stays inert, the policy's
     # tree is what it left, and the test file comes back from base.
