@@ -115,8 +115,9 @@ def test_a_sandbox_killed_before_delete_is_infra_not_reward_zero(app_server, cal
         (hit,) = [*sandpool_home().glob(f"local/*/sb-*/upper/{marker}"),
                   *sandpool_home().glob(f"local/*/sb-*/disk/upper/{marker}")]
         state = next(p for p in hit.parents if p.name.startswith("sb-"))
-        merged = state / "merged"
-        pids = subprocess.run(["pgrep", "-f", "--", f"--bind {merged} "], capture_output=True, text=True).stdout.split()
+        # Its bubblewrap's binds name the sandbox's public directory /run/sandpool/<run>/<sid>/.
+        pids = subprocess.run(["pgrep", "-f", "--", f"bwrap .*/{state.name}/"], capture_output=True,
+                              text=True).stdout.split()
         assert pids
         for pid in pids:
             os.kill(int(pid), signal.SIGKILL)
