@@ -30,6 +30,7 @@ from sandpool.integrations.openhands.workspace import SandpoolWorkspace
 from sandpool.testing.kwok import exec_prefix, local_pack_image_map
 from tests.cluster.conftest import RUN_ID, RUN_ID_LABEL, cluster, wait_until  # noqa: F401
 from tests.openhands.test_agent_server import SERVER_MODULES, gold_steps, run_episode
+from tests.waiting import until
 
 pytestmark = pytest.mark.cluster
 
@@ -109,6 +110,17 @@ async def test_reset_keeps_the_pod_server_and_the_next_rollout_starts_clean(k8s_
     assert await asyncio.to_thread(run_episode, k8s_pool, calc_task, gold_steps(calc_task)) == 1.0
     assert await asyncio.to_thread(run_episode, k8s_pool, calc_task, [{"text": "noop"}]) == 0.0
     assert k8s_pool.counters.created == 2 and k8s_pool.counters.quarantines == 0
+
+
+async def test_a_file_planted_in_the_pod_server_dir_quarantines_the_pod(k8s_pool, calc_task):
+    quarantined = k8s_pool.counters.quarantines
+    plant = 'echo planted > "${SANDPOOL_POD_RUN:-/run/sandpool}/service/planted" && echo ok'
+    steps = [{"tool": "terminal", "arguments": {"command": plant}}, {"text": "done"}]
+    assert await asyncio.to_thread(run_episode, k8s_pool, calc_task, steps) == 0.0
+    # The release resets the pod in place; the planted file fails its service's check.
+    await until(lambda: k8s_pool.counters.quarantines == quarantined + 1,
+                "the in-place reset to quarantine the pod", timeout=300)
+    assert "planted" in str(k8s_pool.counters.quarantine_reasons[-1]), k8s_pool.counters.quarantine_reasons
 
 
 async def test_concurrent_workspaces_get_separate_pods(k8s_pool, calc_task):

@@ -20,9 +20,15 @@ server listens on the unix socket ``$SANDPOOL_POD_PORTS/<port>`` there instead o
 and the pod's kwok ``PortForward`` bridges port-forward streams of ``<port>`` to it. No TCP
 port is opened on the host.
 
-The server's state (conversations, bash events, its ``HOME`` and tmux sockets) lives in the
-pod's service directory (``$SANDPOOL_POD_RUN/service``, else ``/run/sandpool/service``),
-outside the repo and outside ``/tmp``.
+The server's state (conversations, bash events, tmux sockets) lives in the pod's service
+directory (``$SANDPOOL_POD_RUN/service``, else ``/run/sandpool/service``), outside the repo and
+outside ``/tmp``; its ``HOME`` is the pod's. The policy can write that directory, so the
+in-place reset holds the server to its fresh state as on the local backend
+(``PodService.reset_argv``: every conversation and bash event deleted through the server's
+API, then the directory's tree compared with the fresh one; anything else quarantines).
+Not ported from the local launcher: its non-dumpable flag and its refusal to import from
+writable directories, which would refuse everything on kwok, whose pod processes are host
+root (a real pod's policy should run as another uid than the server).
 """
 
 from __future__ import annotations
@@ -43,9 +49,8 @@ POD_PORT = 8000
 _LAUNCHER = """
 import importlib, os, socket, sys
 here = os.getcwd()
-for var, sub in (("HOME", "home"), ("TMUX_TMPDIR", "tmux")):
-    os.environ[var] = os.path.join(here, sub)
-    os.makedirs(os.environ[var], exist_ok=True)
+os.environ["TMUX_TMPDIR"] = os.path.join(here, "tmux")  # not /tmp, which the reset empties
+os.makedirs(os.environ["TMUX_TMPDIR"], exist_ok=True)
 sys.path[:0] = [p for p in os.environ.get("SANDPOOL_OH_PATH", "").split(":") if p]
 for m in filter(None, os.environ.get("SANDPOOL_OH_PRELOAD", "").split(",")):
     importlib.import_module(m)
@@ -66,7 +71,7 @@ else:
 
 # Exits 0 once the server answers /health, 1 as soon as the server process is gone.
 _READY = (
-    "import http.client, os, socket, sys, time\n"
+    "import http.client, json, os, socket, sys, time\n"
     "port, ports = int(sys.argv[1]), os.environ.get('SANDPOOL_POD_PORTS')\n"
     "class C(http.client.HTTPConnection):\n"
     "    def connect(self):\n"
@@ -79,6 +84,30 @@ _READY = (
     "    except OSError: pass\n"
     "    if not os.path.exists('/proc/' + os.environ['SANDPOOL_SERVICE_PID']): sys.exit(1)\n"
     "    time.sleep(0.05)\n"
+)
+
+
+# The in-place reset's part for the server (PodService.reset_argv), run after the rollout's processes were killed: delete every conversation and bash
+# event through the server's own API, then the sockets of the terminals' tmux servers (they
+# died with the rollout); the reset then compares the directory with its fresh tree. The same
+# steps as the local backend's (server.py), over the pod's port.
+_RESET = _READY.split("while True:")[0] + (
+    f"key = {{'X-Session-API-Key': os.environ[{SESSION_KEY!r}]}}\n"
+    "def call(method, path):\n"
+    "    c = C('127.0.0.1', port, timeout=30); c.request(method, path, headers=key)\n"
+    "    r = c.getresponse(); body = r.read(); c.close()\n"
+    "    if r.status != 200: sys.exit(f'{method} {path}: HTTP {r.status} {body[:200]!r}')\n"
+    "    return json.loads(body or b'null')\n"
+    "here = os.path.join(os.environ.get('SANDPOOL_POD_RUN', '/run/sandpool'), 'service')\n"
+    "for _ in range(1000):\n"
+    "    items = call('GET', '/api/conversations/search?limit=100')['items']\n"
+    "    if not items: break\n"
+    "    for item in items: call('DELETE', '/api/conversations/' + item['id'])\n"
+    "else: sys.exit('conversations keep appearing')\n"
+    "call('DELETE', '/api/bash/bash_events')\n"
+    "import glob, stat\n"
+    "for p in glob.glob(here + '/tmux/tmux-*/openhands-*'):\n"
+    "    if stat.S_ISSOCK(os.lstat(p).st_mode): os.unlink(p)\n"
 )
 
 
@@ -122,5 +151,6 @@ def agent_server_pod_service(
         "OPENHANDS_SUPPRESS_BANNER": "1",
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
     }  # PATH stays the pod's: the agent's terminal commands run the task image's tools
-    return PodService(argv=(py, "-c", _LAUNCHER), port=port, env=service_env, secret_env=(SESSION_KEY,),
-                      ready_argv=(py, "-c", _READY, str(port)), ready_timeout=ready_timeout)
+    return PodService(argv=(py, "-I", "-c", _LAUNCHER), port=port, env=service_env, secret_env=(SESSION_KEY,),
+                      ready_argv=(py, "-I", "-c", _READY, str(port)), ready_timeout=ready_timeout,
+                      reset_argv=(py, "-I", "-c", _RESET, str(port)))

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes._exec import PROCS, ExecTarget, build_argv, run_exec
 from sandpool.core.backends.kubernetes._portforward import PortStream, open_port
+from sandpool.core.backends._service import RunningService
+from sandpool.core.backends.kubernetes._service import restore_service
 from sandpool.core.backends.kubernetes._session import AgentSession
 from sandpool.core.base import ExecResult, Sandbox
 
@@ -89,6 +91,7 @@ class KubernetesSandbox(Sandbox):
         #: and the port it serves in the pod (:mod:`._service`); empty / None without one.
         self.service_env: dict[str, str] = {}
         self.service_port: int | None = None
+        self._service: RunningService | None = None
 
     @property
     def channel(self) -> str:
@@ -114,6 +117,15 @@ class KubernetesSandbox(Sandbox):
         if self._dead is not None:  # the pod died while the request ran: its answer is void
             raise self._died()
         return res
+
+    async def restore_service(self, *, timeout: float = 60.0) -> list[str]:
+        """Bring the pod's service back to its fresh state and verify it; see
+        :meth:`Sandbox.restore_service` and :func:`._service.restore_service`.
+
+        Returns:
+            What differs (empty: pristine); [] without a service.
+        """
+        return await restore_service(self, timeout)
 
     async def open_port(self, port: int) -> PortStream:
         """Open one connection to ``port`` inside the pod (``pods/portforward``).

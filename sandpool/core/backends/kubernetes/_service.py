@@ -8,31 +8,46 @@ is handed out. The service listens on ``port`` inside the pod (declared as the c
 ``ports``); the host reaches it through ``pods/portforward``
 (:meth:`KubernetesSandbox.open_port`).
 
-Where it runs: in the pod's run directory, ``$SANDPOOL_POD_RUN/service`` (``/run/sandpool``
-when the cluster sets no ``SANDPOOL_POD_RUN``), outside the repo and outside ``/tmp``; its
-output goes to ``service.log`` there. Its code must be in the image or a mounted volume: no
-host directory is bound into a pod (on the kwok test cluster a pod's exec is a host process,
-so host paths are visible as they are).
+Where it runs: in the pod's service directory, ``$SANDPOOL_POD_RUN/service``
+(``/run/sandpool/service`` when the cluster sets no ``SANDPOOL_POD_RUN``), outside the repo and
+outside ``/tmp``; its output goes to the agent's stderr, i.e. to the host (the session's
+``stderr_tail``), never to a file the next rollout could read. Its code must be in the image
+or a mounted volume: no host directory is bound into a pod (on the kwok test cluster a pod's
+exec is a host process, so host paths are visible as they are).
+
+The in-place reset holds it to its fresh state as the local backend does
+(:meth:`KubernetesSandbox.restore_service`, the one hook of
+:func:`sandpool.core.reset.reset_in_place`): the same process (pid and start time), running,
+``reset_argv`` exits 0, and the service directory's tree (:func:`sandpool.core.backends._service.tree`,
+walked inside the pod by the agent's interpreter) equals the one recorded when it was fresh.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from sandpool.core import errors
+from sandpool.core.backends import _service as local_service
 
 if TYPE_CHECKING:
     from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 
-__all__ = ["PodService", "start_service"]
+__all__ = ["PodService", "restore_service", "start_service"]
 
-#: Runs the service's argv in its directory, output appended to service.log there.
-_IN_DIR = ('d="${SANDPOOL_POD_RUN:-/run/sandpool}/service"; mkdir -p "$d" && cd "$d" '
-           '&& exec "$@" >>service.log 2>&1')
-_LOG_TAIL = 'tail -c 1500 "${SANDPOOL_POD_RUN:-/run/sandpool}/service/service.log" 2>/dev/null'
+_DIR = '"${SANDPOOL_POD_RUN:-/run/sandpool}/service"'
+#: Runs the service's argv in its directory.
+_IN_DIR = f'd={_DIR}; mkdir -p "$d" && cd "$d" && exec "$@"'
+#: Prints the service directory's tree as JSON, inside the pod (the same walk as the local
+#: backend's, from its source: stdlib only).
+_TREE = "\n".join([
+    "import hashlib, json, os, stat, sys", "from pathlib import Path", f"_TREE_MAX = {local_service._TREE_MAX}",
+    inspect.getsource(local_service._sha256), inspect.getsource(local_service.tree),
+    "print(json.dumps(tree(Path(sys.argv[1]))))"])
 
 
 @dataclass(frozen=True)
@@ -54,6 +69,11 @@ class PodService:
         secret_env: Names of variables set to a fresh random secret for each pod's service
             (e.g. the key its clients must present); the values are in
             ``KubernetesSandbox.service_env``.
+        reset_argv: A command the in-place reset runs in the service directory (after the
+            rollout's processes are killed, with ``env``, the secrets and
+            ``$SANDPOOL_SERVICE_PID``) that makes the service drop what the rollout left in it;
+            it must exit 0. It also runs once when the service is ready, before the fresh
+            tree is recorded. As ``ServiceSpec.reset_argv`` of the local backend.
 
     Raises:
         ConfigError: ``argv`` is empty or ``port`` is not a TCP port.
@@ -65,6 +85,7 @@ class PodService:
     ready_argv: tuple[str, ...] | None = None
     ready_timeout: float = 60.0
     secret_env: tuple[str, ...] = ()
+    reset_argv: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.argv:
@@ -74,14 +95,16 @@ class PodService:
 
 
 async def start_service(sb: KubernetesSandbox, spec: PodService) -> None:
-    """Start ``spec`` in ``sb`` through its agent session and wait until it is ready.
+    """Start ``spec`` in ``sb`` through its agent session, wait until it is ready, and record
+    its fresh state (pid, start time, directory tree).
 
-    Sets ``sb.service_env`` and ``sb.service_port``.
+    Sets ``sb.service_env``, ``sb.service_port`` and ``sb._service``.
 
     Raises:
         ConfigError: ``sb`` has no agent session (the service needs the agent to keep it
             alive and out of ``kill_strays``' reach).
-        SandboxStartError: The readiness command failed (the message has the log's tail).
+        SandboxStartError: The readiness command or the first ``reset_argv`` failed (the
+            message has the service's output).
         SandboxDied, ExecTransportError: The pod or its channel failed.
     """
     if sb._dead is not None:
@@ -92,14 +115,79 @@ async def start_service(sb: KubernetesSandbox, spec: PodService) -> None:
             "(agent=True and an image with agent_python)")
     env = {**spec.env, **{name: secrets.token_urlsafe(24) for name in spec.secret_env}}
     started = await sb._agent("call", "service", 30.0, argv=["/bin/sh", "-c", _IN_DIR, "sh", *spec.argv],
-                              env=env, cwd=None, log="/dev/null")
+                              env=env, cwd=None)
+    pid = int(started["pid"])  # type: ignore[index]
     sb.service_env, sb.service_port = env, spec.port
-    if spec.ready_argv is None:
-        return
-    res = await sb.exec(list(spec.ready_argv), timeout=spec.ready_timeout, cwd="/",
-                        env={"SANDPOOL_SERVICE_PID": str(started["pid"])})  # type: ignore[index]
+    checks = [(spec.ready_argv, spec.ready_timeout, "become ready"), (spec.reset_argv, 60.0, "reset")]
+    for argv, timeout, what in checks:
+        if argv is None:
+            continue
+        res = await sb.exec(list(argv), timeout=timeout, cwd="/",
+                            env={**env, "SANDPOOL_SERVICE_PID": str(pid)})
+        if not res.ok:
+            out = bytes(sb._session.stderr_tail[-1500:]).decode("utf-8", "replace").strip()
+            raise errors.SandboxStartError(
+                f"sandbox {sb.id}: its service did not {what} (exit {res.exit_code}, "
+                f"timed out: {res.timed_out}): {out or res.err_text[-500:]}")
+    got = await _proc(sb, pid, 30.0)
+    if got is None or got[0] in ("Z", "X"):
+        raise errors.SandboxStartError(f"sandbox {sb.id}: its service (pid {pid}) exited after it was ready")
+    sb._service = local_service.RunningService(spec, pid, got[1], got[2], await _tree(sb))  # type: ignore[arg-type]
+
+
+async def restore_service(sb: KubernetesSandbox, timeout: float) -> list[str]:
+    """Bring ``sb``'s service back to its fresh state and verify it (the reset's hook).
+
+    Checks, in order: the same process (pid and start time), not stopped, its priority,
+    limits and CPU affinity unchanged; ``reset_argv``
+    exits 0; the service directory's tree equals the fresh one; the process once more.
+
+    Returns:
+        What differs (empty: pristine); [] without a service.
+
+    Raises:
+        SandboxDied, ExecTransportError: As :meth:`KubernetesSandbox.exec`.
+    """
+    svc = sb._service
+    if svc is None:
+        return []
+    problems = await _running(sb, svc, timeout)
+    if not problems and svc.spec.reset_argv is not None:
+        res = await sb.exec(list(svc.spec.reset_argv), timeout=timeout, cwd="/",
+                            env={**sb.service_env, "SANDPOOL_SERVICE_PID": str(svc.pid)})
+        if not res.ok:
+            problems = [f"its service's reset failed (exit {res.exit_code}, timed out: {res.timed_out}): "
+                        f"{(res.err_text or res.text).strip()[-300:]}"]
+    if not problems:
+        problems = local_service.tree_diff(svc.pristine, await _tree(sb))
+    # Again at the end: a fatal signal sent just before the reset may take effect during it.
+    return problems or await _running(sb, svc, timeout)
+
+
+async def _proc(sb: KubernetesSandbox, pid: int, timeout: float) -> tuple[str, str, str] | None:
+    """``(state, start time, attributes)`` of ``pid`` in the pod (the local backend's reading)."""
+    res = await sb.exec(local_service.proc_argv(pid), timeout=timeout, cwd="/")
+    return local_service.proc_state(res.text) if res.ok else None
+
+
+async def _running(sb: KubernetesSandbox, svc: local_service.RunningService, timeout: float) -> list[str]:
+    got = await _proc(sb, svc.pid, timeout)
+    if got is None or got[1] != svc.start:
+        return [f"its service (pid {svc.pid}) is gone: killed or exited during the rollout"]
+    state, _, attrs = got
+    if state in ("T", "t", "Z", "X"):
+        return [f"its service (pid {svc.pid}) is stopped or dead (state {state})"]
+    if attrs != svc.attrs:
+        return [f"its service's (pid {svc.pid}) priority, resource limits or CPU affinity "
+                "were changed during the rollout"]
+    return []
+
+
+async def _tree(sb: KubernetesSandbox) -> dict[str, tuple[str, ...]]:
+    py = sb._backend.agent_python
+    res = await sb.exec(["/bin/sh", "-c", f'exec "$0" -I -c "$1" {_DIR}', py, _TREE], timeout=60.0, cwd="/")
     if not res.ok:
-        log = (await sb.exec(_LOG_TAIL, timeout=30.0, cwd="/")).text.strip()
-        raise errors.SandboxStartError(
-            f"sandbox {sb.id}: its service did not become ready (exit {res.exit_code}, "
-            f"timed out: {res.timed_out}): {log or res.err_text[-500:]}")
+        raise errors.ExecTransportError(
+            f"sandbox {sb.id}: listing its service directory failed (exit {res.exit_code}): "
+            f"{res.err_text.strip()[-300:]}")
+    return {k: tuple(v) for k, v in json.loads(res.stdout).items()}
