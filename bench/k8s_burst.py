@@ -214,6 +214,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
             sandbox_objects=name == "reuse", delete_batch_s=0.5 if placed else None,
             controller_version=args.controller_version,
             agent_timeout=120.0,  # python's start on 2 shared, overloaded cores takes tens of s
+            presessions=args.presessions if name == "warm" else 0,
         )
 
     # The planning backend places and prepulls across windows; a pool closes its backend,
@@ -290,6 +291,8 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         stats["writes"] += st["writes"]
         stats["execs"] += st["execs"]
         stats["agent_fallbacks"] += st["agent_fallbacks"]
+        stats["presessions_adopted"] = stats.get("presessions_adopted", 0) + st.get(
+            "presessions_adopted", 0)
         for k, v in st["writes_by"].items():
             stats["writes_by"][k] = stats["writes_by"].get(k, 0) + v
     w1 = time.time()
@@ -316,6 +319,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         "sandpool_writes": stats["writes"], "sandpool_preflight_writes": preflight,
         "sandpool_writes_by": stats["writes_by"],
         "exec_streams": stats["execs"], "agent_fallbacks": stats["agent_fallbacks"],
+        "presessions_adopted": stats.get("presessions_adopted", 0),
         "exec_streams_apiserver": delta.get("CONNECT", 0),
         "resources": mon.peaks(w0, w1), "timeline": model_timeline(w0, w1), "t0": w0,
     }
@@ -338,6 +342,7 @@ def table(runs: dict[str, dict]) -> str:
         ("  per rollout", lambda r: f"{r['sandpool_writes'] / max(1, r['rollouts']):.3f}"),
         ("  of which preflight", lambda r: str(r["sandpool_preflight_writes"])),
         ("exec streams (sandpool)", lambda r: str(r["exec_streams"])),
+        ("  sessions opened before claim", lambda r: str(r.get("presessions_adopted", 0))),
         ("exec streams (apiserver)", lambda r: str(r["exec_streams_apiserver"])),
         ("  per rollout", lambda r: f"{r['exec_streams'] / max(1, r['rollouts']):.2f}"),
         ("resets / quarantines", lambda r: f"{r['resets']} / {r['quarantines']}"),
@@ -436,6 +441,9 @@ async def main() -> None:
                     help="give the pods baseline the agent session too (default: exec per command)")
     ap.add_argument("--reuse-lanes", type=int, default=1,
                     help="reuse: sandboxes (lanes) per image; its rollouts run back to back")
+    ap.add_argument("--presessions", type=int, default=-1,
+                    help="warm: agent sessions opened on warm-pool pods before their claim, at "
+                    "most this many at once (default: --concurrency; 0: off)")
     ap.add_argument("--controller-version", default="v1.0.3")
     ap.add_argument("--kubeconfig", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=Path("reports/bench"))
@@ -444,6 +452,8 @@ async def main() -> None:
         args.images, args.rollouts = SHAPES[args.shape]
     if args.concurrency <= 0:
         args.concurrency = args.images * args.rollouts
+    if args.presessions < 0:
+        args.presessions = args.concurrency
     kubeconfig = args.kubeconfig or default_kubeconfig()
     args.out.mkdir(parents=True, exist_ok=True)
     source = (args.out / "k8s_burst_repo").resolve()

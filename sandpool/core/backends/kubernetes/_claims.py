@@ -85,6 +85,7 @@ class ClaimsMixin:
                     body=m.warm_pool(name, self.run_id, image, self._templates[image], n),
                 )
                 self._pools[image] = (name, n)
+                self._image_of_key[m.image_key(image)] = image
             elif replicas is not None and cur[1] != replicas:
                 await http.request(
                     "PATCH",

@@ -250,7 +250,13 @@ class PodsMixin:
 
     async def _open_session(self: KubernetesBackend, sb: KubernetesSandbox) -> None:
         """Start ``sb``'s agent session; on failure fall back to one exec per command (logged
-        once per image, counted in ``api_stats["agent_fallbacks"]``)."""
+        once per image, counted in ``api_stats["agent_fallbacks"]``). A session opened on the
+        pod while it waited in its warm pool (:mod:`._presession`) is adopted instead."""
+        if self._pre and (pre := await self._take_presession(sb.pod, sb.pod_uid)) is not None:
+            pre.client.name = sb.id
+            sb._session = pre
+            sb.protocol = pre.protocol
+            return
         session = AgentSession(self._http, sb._target, sb.id, self.agent_python)
         try:
             await session.start(self.agent_timeout)

@@ -37,6 +37,7 @@ from sandpool.core.backends.kubernetes._http import KubeHttp, Throttle
 from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
 from sandpool.core.backends.kubernetes._pods import PodsMixin, pod_death
 from sandpool.core.backends.kubernetes._preflight import PreflightMixin
+from sandpool.core.backends.kubernetes._presession import PresessionMixin
 from sandpool.core.backends.kubernetes._prepull import PlacementMixin
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._service import PodService
@@ -68,7 +69,8 @@ def kubeconfig_path() -> str:
     return str(Path(first or "~/.kube/config").expanduser())
 
 
-class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, Backend):
+class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, PresessionMixin,
+                        Backend):
     """Creates sandboxes as pods on a Kubernetes cluster, through agent-sandbox or directly.
 
     Usage::
@@ -113,6 +115,9 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             ``api_stats["fallback_sandboxes"]`` and ``sandpool_kube_exec_fallbacks_total``.
         agent_python: The interpreter command that runs the agent in the image.
         agent_timeout: Seconds the agent may take to say it is ready before the fallback.
+        presessions: Open the agent session of up to this many Ready warm-pool pods before
+            they are claimed (agent-sandbox mode, a strategy that claims per rollout), so
+            a claim does not wait for the agent's start; see :mod:`._presession`. 0: off.
         sandbox_objects: With a reusing strategy, make each held sandbox an agent-sandbox
             Sandbox object (one write per sandbox) instead of a template, warm pool and claim
             per image (three); see :meth:`set_warm_target`.
@@ -156,6 +161,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         agent_python: str = "python3",
         agent_timeout: float = 30.0,
         sandbox_objects: bool = False,
+        presessions: int = 0,
         delete_batch_s: float | None = None,
         api_retries: int = 6,
         service: PodService | None = None,
@@ -186,6 +192,11 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         self.agent = agent
         self.agent_python = agent_python
         self.agent_timeout = agent_timeout
+        self.presessions = presessions
+        self.presessions_adopted = 0
+        self._pre: dict = {}  # pod -> its pre-opened session (._presession)
+        self._pre_closing: set[asyncio.Task[None]] = set()
+        self._image_of_key: dict[str, str] = {}  # image label value -> warm pool image
         self.agent_fallbacks = 0  # images whose agent could not start
         self.fallback_sandboxes = 0  # sandboxes whose commands each open a pod exec
         self._agent_unavailable: dict[str, str] = {}  # image -> why the agent cannot run
@@ -240,6 +251,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             "reads": h.reads,
             "execs": h.execs,
             "agent_fallbacks": self.agent_fallbacks,
+            "presessions_adopted": self.presessions_adopted,
             "fallback_sandboxes": self.fallback_sandboxes,
             "retried": h.retried,
             "inflight_peak": self.throttle.inflight_peak,
@@ -302,7 +314,12 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             for name, sb in list(self._by_pod.items()):
                 if self._pods is not None and self._pods.get(name) is None:
                     sb._mark_dead("the pod was deleted")
+            for name in list(self._pre):
+                if self._pods is not None and self._pods.get(name) is None:
+                    self._drop_presession(name)
             return
+        if self.presessions:
+            self._presession_on_pod(pod)
         sb = self._by_pod.get(pod["metadata"]["name"])
         if sb is not None and (why := pod_death(pod, sb.pod_uid)):
             sb._mark_dead(why)
@@ -371,6 +388,7 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         if self._closed:
             return
         try:
+            await self._close_presessions()
             live = list(self._live.values())
             for sb in live:
                 sb._mark_dead("backend closed")

@@ -1,0 +1,43 @@
+"""Agent sessions opened on warm-pool pods before they are claimed, on the local cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from sandpool.core import SandboxPool
+from tests.waiting import until
+
+from test_kubernetes_backend import backend, make_task, pods_of, repo  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.cluster
+
+
+async def test_a_claim_adopts_the_session_opened_on_its_warm_pod(cluster, namespace, repo):
+    path, first, _ = repo
+    be = backend(cluster, namespace, path, presessions=3)
+    task = make_task("sandpool.test/calc:1", first)
+    try:
+        async with SandboxPool(be, "warm") as pool:
+            await pool.prepare([task], concurrency=3, rollouts_per_task=3)
+            # Three warm pods, three sessions: opened while nobody has claimed.
+            await until(lambda: len(be._pre) == 3 and all(p.task.done() for p in be._pre.values()),
+                        "a session opened on each warm pod")
+            opened = {name: p.task.result() for name, p in be._pre.items()}
+            assert all(s is not None and s.alive for s in opened.values())
+            seen = set()
+            for i in range(3):
+                async with pool.claim(task) as lease:
+                    sb = lease.sandbox
+                    assert sb.channel == "agent" and sb.pod not in seen
+                    seen.add(sb.pod)
+                    if i == 0:  # bound to one of the three: it adopted that pod's session
+                        assert sb._session is opened[sb.pod] and be.presessions_adopted == 1
+                    res = await lease.exec("git rev-parse HEAD; pwd")
+                    assert res.text.split() == [first, "/testbed"]
+                    await lease.write_file("x.txt", b"y")
+                    assert await lease.read_file("x.txt") == b"y"
+            assert len(be._pre) <= 3  # the warm pool's refills get sessions too, within the cap
+        # Closing the pool closes the sessions nobody adopted.
+        assert be._pre == {} and not be._pre_closing
+    finally:
+        await be.aclose()
