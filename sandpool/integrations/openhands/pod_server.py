@@ -36,6 +36,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+from sandpool.core import errors
 from sandpool.core.backends.kubernetes._service import PodService
 from sandpool.integrations.openhands.server import SESSION_KEY, agent_server_env
 
@@ -136,10 +137,16 @@ def agent_server_pod_service(
 
     Returns:
         The service spec; each pod's session key is in ``sandbox.service_env[SESSION_KEY]``.
+
+    Raises:
+        ConfigError: ``env`` cannot run the agent-server.
     """
     env = env or agent_server_env()
     py = str(env / "bin" / "python")
-    subprocess.run([py, "-c", "import uvicorn"], check=True, capture_output=True)  # a usable env
+    if not Path(py).exists() or subprocess.run([py, "-c", "import uvicorn, openhands.agent_server"],
+                                               capture_output=True).returncode:
+        raise errors.ConfigError(f"agent_server_pod_service(env={env}): {py} cannot import the agent-server; "
+                                 "pass an env made by agent_server_env()")
     service_env = {
         "SANDPOOL_OH_PORT": str(port),
         # OpenHands' terminal and file editor register on import; the server resolves tools by name.
