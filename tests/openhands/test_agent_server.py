@@ -90,6 +90,21 @@ async def test_server_is_up_before_the_claim(server_pool, calc_task):
     assert await asyncio.to_thread(claim_and_ping) < server_pool.warm_s  # no server start on claim
 
 
+async def test_the_agent_s_terminal_runs_the_task_s_python_not_the_server_s(server_pool, calc_task):
+    """What the policy's commands run is what the grader runs: the sandbox's PATH and venv."""
+    probe = "command -v python; python -c 'import sys; print(sys.prefix)'"
+
+    def both() -> tuple[str, str]:
+        with SandpoolWorkspace(server_pool, calc_task) as ws:
+            through_server = ws.execute_command(probe).stdout
+            through_sandpool = ws._run(ws.lease.exec(probe, cwd=calc_task.workdir)).text
+            return through_server, through_sandpool
+
+    through_server, through_sandpool = await asyncio.to_thread(both)
+    assert through_server.split() == through_sandpool.split()
+    assert "agent-server" not in through_server
+
+
 async def test_gold_patch_conversation_scores_one(server_pool, calc_task):
     reward = await asyncio.to_thread(run_episode, server_pool, calc_task, gold_steps(calc_task))
     assert reward == 1.0

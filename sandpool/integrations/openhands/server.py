@@ -251,7 +251,8 @@ def agent_server_service(
         "TMUX_TMPDIR": f"{SERVICE_DIR}/tmux",
         "OPENHANDS_SUPPRESS_BANNER": "1",
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
-        "PATH": f"{env}/bin:/usr/local/bin:/usr/bin:/bin",
+        # PATH stays the sandbox's: the agent's terminal must run the task's own python and
+        # tools, the ones the grader runs, not the server's env (started by its full path).
     }
     py = f"{env}/bin/python"
     # Each sandbox's server demands its own X-Session-API-Key (LocalSandbox.service_env).
