@@ -56,6 +56,7 @@ __all__ = [
     "SandboxFileError",
     "SandboxStartError",
     "SandpoolError",
+    "ServiceKilled",
     "TamperingSuspected",
     "TaskError",
     "TaskValidationError",
@@ -277,6 +278,15 @@ class SandboxExhausted(TaskError):
     scored. The sandbox is deleted, not reused."""
 
     kind = "sandbox_exhausted"
+
+
+class ServiceKilled(TaskError):
+    """The sandbox lives but its service (e.g. the OpenHands agent-server) was killed or
+    stopped, or its limits changed: only a process inside, running as the service's uid, can
+    send the SIGKILL or SIGSTOP it cannot catch (or ``prlimit`` it), so it is the policy's
+    failure, scored (as :class:`SandboxExhausted`). The reset quarantines the sandbox."""
+
+    kind = "service_killed"
 
 
 class FatalError(SandpoolError):

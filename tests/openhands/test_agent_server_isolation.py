@@ -20,7 +20,9 @@ import pytest
 from openhands.sdk import Conversation
 from openhands.sdk.event import MessageEvent, ObservationEvent
 
+from sandpool.core import errors
 from sandpool.core.backends.local import SERVICE_DIR, LocalBackend
+from sandpool.core.classify import Verdict, classify
 from sandpool.core.pool import PoolLimits, SandboxPool
 from sandpool.integrations.openhands.server import agent_server_service
 from sandpool.integrations.openhands.workspace import SandpoolWorkspace
@@ -253,3 +255,22 @@ async def test_limits_or_priority_set_on_the_server_quarantine_its_sandbox(one_s
     first, second, _, quarantined = await asyncio.to_thread(two_rollouts, one_sandbox_pool, calc_task, plant)
     assert quarantined == 1 and first != second
     assert "resource limits" in one_sandbox_pool.counters.quarantine_reasons[-1]
+
+
+async def test_a_policy_that_kills_its_server_mid_conversation_fails_the_task_not_infra(one_sandbox_pool, calc_task):
+    # Through the server's own terminal, as the LLM would: OpenHands' client then loses the
+    # server as if the network had failed. Scored as the policy's, or a policy learns to turn
+    # each rollout it is failing into a retried infra failure.
+    def episode() -> None:
+        with SandpoolWorkspace(one_sandbox_pool, calc_task) as ws:
+            conv = Conversation(agent=scripted_agent([*terminal(f"kill -9 {SERVER_PID}"), {"text": "done"}]),
+                                workspace=ws, visualizer=None)
+            try:
+                conv.send_message("go")
+                conv.run(timeout=120)  # the client retries a lost server until this timeout
+            finally:
+                conv.close()
+
+    with pytest.raises(errors.ServiceKilled) as info:
+        await asyncio.to_thread(episode)
+    assert classify(info.value) is Verdict.POLICY and "gone" in str(info.value)

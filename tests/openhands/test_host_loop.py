@@ -173,3 +173,17 @@ async def test_llm_endpoint_failure_is_infra_not_reward_zero(pool, calc_task):
                                   LLMServiceUnavailableError("the inference server is down")])
     result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0)
     assert result.outcome is Outcome.INFRA_FAILED and result.reward is None
+
+
+async def test_file_editor_on_a_fifo_is_the_policys_error_not_infra(pool, calc_task):
+    # A FIFO nobody writes: reading it would block until the host's wait gave up and the
+    # rollout ended infra_failed, a failure the policy could choose instead of its reward 0.
+    seen: list[ObservationEvent] = []
+    llm = TestLLM.from_messages([tool_call("terminal", command="mkfifo /tmp/pipe"),
+                                 tool_call("file_editor", command="view", path="/tmp/pipe"),
+                                 say("done")])
+    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm, callbacks=[seen.append]),
+                               retries=0)
+    assert result.outcome is Outcome.COMPLETED and result.reward == 0.0, result.error
+    view = [e for e in seen if isinstance(e, ObservationEvent)][1].observation
+    assert view.is_error and "(EINVAL)" in view.text, view.text

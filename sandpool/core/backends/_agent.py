@@ -12,7 +12,8 @@ Ops:
     exec        {cmd: str|list, timeout: s, cwd, env, max_output: bytes}
                 -> {exit_code, stdout(b64), stderr(b64), stdout_truncated, stderr_truncated,
                     timed_out, duration_s}
-    read_file   {path} -> {data(b64)} | {error: "os_error", errno, strerror}
+    read_file   {path} -> {data(b64)} | {error: "os_error", errno, strerror}; a path that is not
+                a regular file (a FIFO, a device) is EINVAL, never a read that blocks
     write_file  {path, data(b64), mode} -> {} | {error: "os_error", errno, strerror}
     ps          {} -> {procs: [cmdline, ...]} (everything but the agent and pid 1)
     kill_strays {} -> {killed: n}
@@ -30,6 +31,7 @@ Ops:
 """
 
 import base64
+import errno
 import fcntl
 import json
 import os
@@ -323,7 +325,12 @@ def _os_error(exc):
 
 def _read_file(req):
     try:
-        with open(req["path"], "rb") as f:
+        # Regular files only, opened without blocking: a FIFO the policy put at the path would
+        # hold the read (and the caller, until its wait ends as an infra error) forever.
+        fd = os.open(req["path"], os.O_RDONLY | os.O_NONBLOCK)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "Invalid argument: not a regular file")
             return {"data": base64.b64encode(f.read()).decode()}
     except OSError as exc:
         return _os_error(exc)

@@ -439,6 +439,12 @@ class LocalSandbox(Sandbox):
         # Again at the end: a fatal signal sent just before the reset may take effect during it.
         return problems or await self._service_running(svc, timeout)
 
+    async def service_problems(self, *, timeout: float = 30.0) -> list[str]:
+        """Why the sandbox's service is not running as it started (gone, stopped, its limits
+        changed), one sentence each; [] when it is, or without a service. Read through the
+        agent: the same check the in-place reset makes first (:meth:`restore_service`)."""
+        return [] if self._service is None else await self._service_running(self._service, timeout)
+
     async def _service_running(self, svc: RunningService, timeout: float) -> list[str]:
         res = await self.exec(proc_argv(svc.pid), timeout=timeout)
         got = proc_state(res.text) if res.ok else None

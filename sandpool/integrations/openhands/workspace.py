@@ -194,16 +194,30 @@ class SandpoolWorkspace(RemoteWorkspace):
         Raises:
             InfraError: The block raised (e.g. OpenHands' HTTP client lost the server) and the
                 sandbox had failed: the error is the sandbox's, so it is reported as infra.
+            ServiceKilled: The block raised and the sandbox lives but its agent-server was
+                killed or stopped: the policy's failure (``task_failed``, scored), never infra.
         """
-        infra: errors.InfraError | None = None
+        mapped: errors.SandpoolError | None = None
         if isinstance(exc_val, Exception) and not isinstance(exc_val, errors.SandpoolError):
             try:
                 self.check()
+                mapped = self._server_killed()
             except errors.InfraError as exc:
-                infra = exc
+                mapped = exc
         try:
             super().__exit__(exc_type, exc_val, exc_tb)
         finally:
             self.cleanup()
-        if infra is not None:
-            raise infra from exc_val
+        if mapped is not None:
+            raise mapped from exc_val
+
+    def _server_killed(self) -> errors.ServiceKilled | None:
+        """The policy's failure when the sandbox lives but its agent-server does not (killed or
+        stopped from inside: OpenHands' client then fails as if the network had); None when
+        the server runs, or when the backend cannot say (a pod's server)."""
+        probe = getattr(self.lease.sandbox, "service_problems", None)
+        problems = self._run(probe()) if probe is not None else []
+        if not problems:
+            return None
+        return errors.ServiceKilled(f"sandbox {self.lease.id}: {problems[0]}; its sandbox lives, so a "
+                                    "process of the rollout did it")
