@@ -203,6 +203,16 @@ def openhands(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
+def openhands_example(session: nox.Session) -> None:
+    """Run examples/openhands_swe.py in the openhands session's venv (built as needed) with this
+    checkout on PYTHONPATH; arguments after ``--`` go to the example (``-- -n 2``)."""
+    venv = _cached_venv(session, "openhands-sdk", OPENHANDS_SDK)
+    env = {"PYTHONPATH": str(ROOT), "OPENHANDS_SUPPRESS_BANNER": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    session.run(str(venv / "bin" / "python"), str(ROOT / "examples" / "openhands_swe.py"), *session.posargs,
+                env=env, external=True)
+
+
+@nox.session(python=False)
 def openhands_app(session: nox.Session) -> None:
     """Run tests/openhands_app with the real openhands-ai 1.11.0 app server (cached venv)."""
     # Resolved together with openhands-ai's exact pins, swebench/datasets/pyarrow made pip

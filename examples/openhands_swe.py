@@ -7,11 +7,13 @@ OpenHands' own scripted ``TestLLM`` playing an oracle on even rollouts (the gold
 with the file editor and applied with ``git apply``) and a no-op on odd ones, so the example
 runs without a model server; with ``--model`` (and ``--base-url``) it calls that model.
 
-    .venvs/openhands/bin/python examples/openhands_swe.py [-n 8] [--concurrency 4] \
+    make venv && .venv/bin/nox -s openhands_example -- [-n 8] [--concurrency 4] \
         [--tasks tasks.jsonl] [--model openai/qwen --base-url http://127.0.0.1:8000/v1]
 
-Without ``--tasks`` it uses the default task pack (built on first use). It needs a venv with
-openhands-sdk/-tools 1.58 (``nox -s openhands`` builds one under ``~/.cache/sandpool/venvs``).
+The nox session runs it in a venv with openhands-sdk/-tools 1.58 (Python 3.12, built on first
+use under ``~/.cache/sandpool/venvs``, the one ``nox -s openhands`` tests with) and this
+checkout on ``PYTHONPATH``; any such venv works the same way. Without ``--tasks`` it uses the
+default task pack (built on first use).
 """
 
 from __future__ import annotations
