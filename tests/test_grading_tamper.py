@@ -397,3 +397,27 @@ async def test_code_under_test_that_floods_the_test_log_scores_zero_instead_of_a
     assert (result.reward, result.resolved) == (0.0, False)
     assert "test log exceeded" in (result.error or ""), result
     assert (await sb.exec("true", timeout=10)).ok, "the sandbox keeps working"
+
+
+SWAP_THE_REPORT_FOR_A_FIFO = """
+import atexit, glob, os, sys
+if "pytest" in sys.modules:
+    def swap():
+        for report in glob.glob("/tmp/.sandpool-grade-*/report.jsonl"):
+            os.unlink(report)
+            os.mkfifo(report)
+            print("swapped", report, file=sys.stderr)
+    atexit.register(swap)
+"""
+
+
+async def test_a_verdict_report_swapped_for_a_fifo_scores_zero_instead_of_an_infra_failure(
+        local_backend, calc_task):
+    # Read, the FIFO held the grader until the host's wait gave up (an infra failure, never
+    # scored): a failing policy's way out of its 0.
+    sb = await _at_base(local_backend, calc_task)
+    await _prepend(sb, "calc.py", SWAP_THE_REPORT_FOR_A_FIFO)
+    result = await grade(sb, calc_task, timeout=120)
+    assert "swapped" in result.log, result.log[-2000:]
+    assert (result.reward, result.resolved) == (0.0, False)
+    assert (await sb.exec("true", timeout=10)).ok, "the sandbox keeps working"

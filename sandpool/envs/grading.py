@@ -363,7 +363,7 @@ async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> Grade
         if plan.pytest:
             try:
                 report = await sandbox.read_file(f"{d}/report.jsonl")
-            except FileNotFoundError:
+            except (FileNotFoundError, errors.SandboxFileError):  # gone, or not a file (a FIFO)
                 report = None
     finally:
         await sandbox.exec(f"rm -rf {d}", timeout=60.0)
