@@ -187,3 +187,14 @@ async def test_file_editor_on_a_fifo_is_the_policys_error_not_infra(pool, calc_t
     assert result.outcome is Outcome.COMPLETED and result.reward == 0.0, result.error
     view = [e for e in seen if isinstance(e, ObservationEvent)][1].observation
     assert view.is_error and "(EINVAL)" in view.text, view.text
+
+
+async def test_a_timeout_the_llm_sets_is_capped_so_a_command_cannot_hold_the_rollout(pool, calc_task):
+    # The action's timeout is the LLM's to set: uncapped, `sleep infinity` with timeout=1e9
+    # would hold this rollout, and the synchronous batch waiting for it, forever.
+    seen: list[ObservationEvent] = []
+    llm = TestLLM.from_messages([tool_call("terminal", command="sleep 30", timeout=1e9), say("done")])
+    async with pool.claim(calc_task) as lease:
+        await run_conversation(lease, llm, max_command_timeout=2, callbacks=[seen.append])
+    obs = [e for e in seen if isinstance(e, ObservationEvent)][0].observation
+    assert obs.timeout and "timed out after 2 s" in obs.text, obs.text

@@ -65,6 +65,7 @@ async def run_conversation(
     *,
     max_iterations: int = 50,
     command_timeout: float = 300.0,
+    max_command_timeout: float = 3600.0,
     agent_kwargs: dict[str, Any] | None = None,
     callbacks: list[Callable[[Event], None]] | None = None,
 ) -> ConversationResult:
@@ -79,6 +80,7 @@ async def run_conversation(
         instruction: The first user message (default :func:`task_instruction`).
         max_iterations: OpenHands' ``max_iteration_per_run``.
         command_timeout: Seconds a terminal command may run when the LLM sets no timeout.
+        max_command_timeout: Seconds a terminal command may run whatever timeout the LLM sets.
         agent_kwargs: Extra ``Agent`` fields (condenser, system prompt, ...).
         callbacks: Extra conversation callbacks, called on OpenHands' thread with each event.
 
@@ -93,7 +95,8 @@ async def run_conversation(
     """
     link = SandboxLink(lease)
     scratch = tempfile.mkdtemp(prefix="sandpool-openhands-")
-    agent = Agent(llm=llm, tools=sandbox_tool_specs(link, default_timeout=command_timeout),
+    agent = Agent(llm=llm, tools=sandbox_tool_specs(link, default_timeout=command_timeout,
+                                                       max_timeout=max_command_timeout),
                   **(agent_kwargs or {}))
     events: list[Event] = []
     holder: dict[str, Any] = {}

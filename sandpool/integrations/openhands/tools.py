@@ -134,7 +134,8 @@ class SandboxTerminalExecutor(ToolExecutor[TerminalAction, TerminalObservation])
     """Runs OpenHands ``terminal`` actions as commands in the sandbox.
 
     Each command runs to completion under the sandbox's server-side timeout (``action.timeout``,
-    else ``default_timeout`` seconds), in the shell state the previous command left: the
+    else ``default_timeout`` seconds, never over ``max_timeout``: the LLM sets the action's, and
+    a ``sleep infinity`` with a huge one would hold the rollout, and a synchronous batch, forever), in the shell state the previous command left: the
     working directory and exported variables carry over, as in OpenHands' persistent session.
     There is no interactive process to send input to (``is_input`` answers with an error), and
     a command that outlives its timeout is killed with its process group rather than left
@@ -143,13 +144,15 @@ class SandboxTerminalExecutor(ToolExecutor[TerminalAction, TerminalObservation])
     Args:
         link: The sandbox.
         default_timeout: Seconds a command may run when the action sets no timeout.
+        max_timeout: Seconds a command may run whatever the action sets.
         max_output: Cap in bytes on a command's output.
     """
 
-    def __init__(self, link: SandboxLink, *, default_timeout: float = 300.0,
+    def __init__(self, link: SandboxLink, *, default_timeout: float = 300.0, max_timeout: float = 3600.0,
                  max_output: int = 1 << 20) -> None:
         self.link = link
         self.default_timeout = default_timeout
+        self.max_timeout = max_timeout
         self.max_output = max_output
 
     def __call__(self, action: TerminalAction, conversation: Any = None) -> TerminalObservation:
@@ -162,7 +165,7 @@ class SandboxTerminalExecutor(ToolExecutor[TerminalAction, TerminalObservation])
             self.link.exec(["rm", "-f", _TERM_STATE], timeout=30.0)
             if not action.command.strip():
                 return TerminalObservation.from_text("Terminal session reset.", command="", exit_code=0)
-        timeout = float(action.timeout or self.default_timeout)
+        timeout = min(float(action.timeout or self.default_timeout), self.max_timeout)
         res = self.link.exec(["/bin/bash", "-c", _TERM_SCRIPT], timeout=timeout,
                              env={"SANDPOOL_OH_COMMAND": action.command}, max_output=self.max_output)
         text = res.text
@@ -342,7 +345,7 @@ class SandboxTerminalTool(ToolDefinition[TerminalAction, TerminalObservation]):
 
     @classmethod
     def create(cls, conv_state: ConversationState, link: str, default_timeout: float = 300.0,
-               **_: Any) -> Sequence[ToolDefinition]:
+               max_timeout: float = 3600.0, **_: Any) -> Sequence[ToolDefinition]:
         """Return ``TerminalTool.create(...)``'s tool with its executor replaced.
 
         Args:
@@ -350,8 +353,10 @@ class SandboxTerminalTool(ToolDefinition[TerminalAction, TerminalObservation]):
                 directory, never the sandbox's path).
             link: Key of an open :class:`SandboxLink`.
             default_timeout: Seconds a command may run when the action sets no timeout.
+            max_timeout: Seconds a command may run whatever the action sets.
         """
-        ex = SandboxTerminalExecutor(SandboxLink.get(link), default_timeout=default_timeout)
+        ex = SandboxTerminalExecutor(SandboxLink.get(link), default_timeout=default_timeout,
+                                     max_timeout=max_timeout)
         return TerminalTool.create(conv_state, executor=ex)
 
 
@@ -377,7 +382,8 @@ class SandboxFileEditorTool(ToolDefinition[FileEditorAction, FileEditorObservati
 _REGISTERED = False
 
 
-def sandbox_tool_specs(link: SandboxLink, *, default_timeout: float = 300.0) -> list[Tool]:
+def sandbox_tool_specs(link: SandboxLink, *, default_timeout: float = 300.0,
+                       max_timeout: float = 3600.0) -> list[Tool]:
     """Tool specs for an ``Agent``: OpenHands' terminal and file editor, run in ``link``'s sandbox.
 
     Usage: ``Agent(llm=llm, tools=sandbox_tool_specs(link))``.
@@ -385,6 +391,7 @@ def sandbox_tool_specs(link: SandboxLink, *, default_timeout: float = 300.0) -> 
     Args:
         link: The sandbox the tools act in.
         default_timeout: Seconds a terminal command may run when the action sets no timeout.
+        max_timeout: Seconds a terminal command may run whatever the action sets.
 
     Returns:
         Two :class:`openhands.sdk.tool.Tool` specs; they resolve to tools named ``terminal``
@@ -395,5 +402,6 @@ def sandbox_tool_specs(link: SandboxLink, *, default_timeout: float = 300.0) -> 
         register_tool(SandboxTerminalTool.__name__, SandboxTerminalTool)
         register_tool(SandboxFileEditorTool.__name__, SandboxFileEditorTool)
         _REGISTERED = True
-    return [Tool(name=SandboxTerminalTool.__name__, params={"link": link.key, "default_timeout": default_timeout}),
+    return [Tool(name=SandboxTerminalTool.__name__, params={"link": link.key, "default_timeout": default_timeout,
+                                                             "max_timeout": max_timeout}),
             Tool(name=SandboxFileEditorTool.__name__, params={"link": link.key})]
