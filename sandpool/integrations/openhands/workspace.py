@@ -219,5 +219,8 @@ class SandpoolWorkspace(RemoteWorkspace):
         problems = self._run(probe()) if probe is not None else []
         if not problems:
             return None
+        # A sandbox being killed loses its server a moment before its agent's channel closes:
+        # that is the sandbox's failure (infra), so look again after the answer.
+        self.check()
         return errors.ServiceKilled(f"sandbox {self.lease.id}: {problems[0]}; its sandbox lives, so a "
                                     "process of the rollout did it")
