@@ -198,3 +198,15 @@ async def test_a_timeout_the_llm_sets_is_capped_so_a_command_cannot_hold_the_rol
         await run_conversation(lease, llm, max_command_timeout=2, callbacks=[seen.append])
     obs = [e for e in seen if isinstance(e, ObservationEvent)][0].observation
     assert obs.timeout and "timed out after 2 s" in obs.text, obs.text
+
+
+async def test_file_editor_refuses_a_file_over_openhands_size_limit(pool, calc_task):
+    # A sparse file costs no quota: read whole, it crossed the channel and reached the LLM as
+    # one observation of that size (OpenHands' own editor refuses it).
+    seen: list[ObservationEvent] = []
+    llm = TestLLM.from_messages([tool_call("terminal", command="truncate -s 64M /tmp/big"),
+                                 tool_call("file_editor", command="view", path="/tmp/big"), say("done")])
+    async with pool.claim(calc_task) as lease:
+        await run_conversation(lease, llm, callbacks=[seen.append])
+    view = [e for e in seen if isinstance(e, ObservationEvent)][1].observation
+    assert view.is_error and "File is too large (64.0MB)" in view.text, view.text[:300]

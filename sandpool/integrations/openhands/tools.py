@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from openhands.sdk.tool import Tool, ToolDefinition, ToolExecutor, register_tool
 from openhands.tools.file_editor import FileEditorTool
 from openhands.tools.file_editor.definition import FileEditorAction, FileEditorObservation
+from openhands.tools.file_editor.editor import FileEditor
 from openhands.tools.terminal import TerminalTool
 from openhands.tools.terminal.definition import TerminalAction, TerminalObservation
 from openhands.tools.terminal.metadata import CmdOutputMetadata
@@ -59,6 +60,7 @@ _TERM_SCRIPT = (
     'eval "$SANDPOOL_OH_COMMAND" 2>&1'
 )
 _SNIPPET_LINES = 4  # context lines around an edit, as OpenHands' editor shows
+_MAX_FILE_BYTES = FileEditor.MAX_FILE_SIZE_MB << 20  # the largest file the editor reads
 
 
 class SandboxLink:
@@ -184,8 +186,9 @@ class SandboxFileEditorExecutor(ToolExecutor[FileEditorAction, FileEditorObserva
 
     Implements the commands of OpenHands' ``FileEditor`` (``view``, ``create``,
     ``str_replace``, ``insert``, ``undo_edit``) with its rules and messages: absolute paths
-    only, ``create`` never overwrites, ``str_replace`` needs exactly one occurrence (retrying
-    once with ``old_str`` stripped), ``undo_edit`` restores the content before the last edit.
+    only, no file read over its ``MAX_FILE_SIZE_MB``, ``create`` never overwrites,
+    ``str_replace`` needs exactly one occurrence (retrying once with ``old_str`` stripped),
+    ``undo_edit`` restores the content before the last edit.
 
     Args:
         link: The sandbox.
@@ -219,6 +222,12 @@ class SandboxFileEditorExecutor(ToolExecutor[FileEditorAction, FileEditorObserva
         return res.text.strip()
 
     def _read(self, path: str) -> str:
+        # OpenHands' editor refuses files over its MAX_FILE_SIZE_MB; without it a sparse file
+        # (no quota used) would cross the channel and reach the LLM as one huge observation.
+        size = self.link.exec(["stat", "-L", "-c", "%s", path], timeout=30.0).text.strip()
+        if size.isdigit() and int(size) > _MAX_FILE_BYTES:
+            raise _EditorError(f"File is too large ({int(size) / 1024 / 1024:.1f}MB). Maximum allowed size "
+                               f"is {_MAX_FILE_BYTES >> 20}MB.")
         return self.link.call(lambda: self.link.lease.read_file(path)).decode("utf-8", "replace")
 
     def _write(self, path: str, text: str) -> None:
