@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sandpool.core.backends.local import ServiceSpec
 
-__all__ = ["RunningService", "proc_argv", "proc_state", "tree", "tree_diff"]
+__all__ = ["RunningService", "proc_argv", "proc_state", "running_problems", "tree", "tree_diff"]
 
 
 @dataclass
@@ -54,6 +54,25 @@ def proc_state(text: str) -> tuple[str, str, str] | None:
     if len(fields) < 20 or not rest:
         return None
     return fields[0], fields[19], f"nice {fields[16]}\n{rest}"
+
+
+def running_problems(svc: RunningService, output: str | None) -> list[str]:
+    """Why ``svc`` is not running as it started, one sentence each; [] when it is.
+
+    Args:
+        svc: The service as recorded when fresh.
+        output: What :func:`proc_argv` printed in the sandbox, or None if it failed.
+    """
+    got = proc_state(output) if output is not None else None
+    if got is None or got[1] != svc.start:
+        return [f"its service (pid {svc.pid}) is gone: killed or exited during the rollout"]
+    state, _, attrs = got
+    if state in ("T", "t", "Z", "X"):
+        return [f"its service (pid {svc.pid}) is stopped or dead (state {state})"]
+    if attrs != svc.attrs:
+        return [f"its service's (pid {svc.pid}) priority, resource limits or CPU affinity "
+                "were changed during the rollout"]
+    return []
 
 
 _TREE_MAX = 10_000  # paths; a service directory holding more is not pristine anyway

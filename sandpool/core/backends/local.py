@@ -66,7 +66,7 @@ from pydantic import BaseModel, ValidationError
 from sandpool.core import errors
 from sandpool.core.backends import _cgroup, _idmap, _oci, _overlay, _quota
 from sandpool.core.backends._agent_client import exec_result
-from sandpool.core.backends._service import RunningService, proc_argv, proc_state, tree, tree_diff
+from sandpool.core.backends._service import RunningService, proc_argv, proc_state, running_problems, tree, tree_diff
 from sandpool.core.base import Backend, ExecResult, ResourceLimits, Sandbox
 from sandpool.core.images import ID_BASE, ImageStore, OciImage
 from sandpool.core.mounts import mount_overlay
@@ -447,16 +447,7 @@ class LocalSandbox(Sandbox):
 
     async def _service_running(self, svc: RunningService, timeout: float) -> list[str]:
         res = await self.exec(proc_argv(svc.pid), timeout=timeout)
-        got = proc_state(res.text) if res.ok else None
-        if got is None or got[1] != svc.start:
-            return [f"its service (pid {svc.pid}) is gone: killed or exited during the rollout"]
-        state, _, attrs = got
-        if state in ("T", "t", "Z", "X"):
-            return [f"its service (pid {svc.pid}) is stopped or dead (state {state})"]
-        if attrs != svc.attrs:
-            return [f"its service's (pid {svc.pid}) priority, resource limits or CPU affinity "
-                    "were changed during the rollout"]
-        return []
+        return running_problems(svc, res.text if res.ok else None)
 
     async def _service_reset(self, svc: RunningService, timeout: float) -> list[str]:
         if svc.spec.reset_argv is None:

@@ -171,16 +171,8 @@ async def _proc(sb: KubernetesSandbox, pid: int, timeout: float) -> tuple[str, s
 
 
 async def _running(sb: KubernetesSandbox, svc: local_service.RunningService, timeout: float) -> list[str]:
-    got = await _proc(sb, svc.pid, timeout)
-    if got is None or got[1] != svc.start:
-        return [f"its service (pid {svc.pid}) is gone: killed or exited during the rollout"]
-    state, _, attrs = got
-    if state in ("T", "t", "Z", "X"):
-        return [f"its service (pid {svc.pid}) is stopped or dead (state {state})"]
-    if attrs != svc.attrs:
-        return [f"its service's (pid {svc.pid}) priority, resource limits or CPU affinity "
-                "were changed during the rollout"]
-    return []
+    res = await sb.exec(local_service.proc_argv(svc.pid), timeout=timeout, cwd="/")
+    return local_service.running_problems(svc, res.text if res.ok else None)
 
 
 async def _tree(sb: KubernetesSandbox) -> dict[str, tuple[str, ...]]:
