@@ -42,6 +42,7 @@ __all__ = [
     "BackendUnavailable",
     "BrokenTaskError",
     "ConfigError",
+    "ContextWindowExceeded",
     "DiskQuotaExceeded",
     "ExecTransportError",
     "FatalError",
@@ -287,6 +288,16 @@ class ServiceKilled(TaskError):
     failure, scored (as :class:`SandboxExhausted`). The reset quarantines the sandbox."""
 
     kind = "service_killed"
+
+
+class ContextWindowExceeded(TaskError):
+    """The policy's model ran out of context window: its own prompt (its messages and the
+    outputs it asked for) grew past what the model takes. The policy's failure, scored, like
+    running out of steps; as infra, a failing policy could turn its reward 0 into an
+    unscored, retried rollout by reading huge outputs. Raised by integrations whose agent
+    loop sees its LLM's context error (OpenHands' ``LLMContextWindowExceedError``)."""
+
+    kind = "context_window_exceeded"
 
 
 class FatalError(SandpoolError):

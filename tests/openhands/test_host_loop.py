@@ -175,6 +175,18 @@ async def test_llm_endpoint_failure_is_infra_not_reward_zero(pool, calc_task):
     assert result.outcome is Outcome.INFRA_FAILED and result.reward is None
 
 
+async def test_a_prompt_past_the_context_window_is_the_policys_failure_scored_zero(pool, calc_task):
+    # A policy that floods its own context (cat of huge files) must not turn its reward 0
+    # into an unscored, retried infra failure.
+    from openhands.sdk.llm.exceptions import LLMContextWindowExceedError
+
+    llm = TestLLM(model="test-model", scripted_responses=[tool_call("terminal", command="echo hi"),
+                                  LLMContextWindowExceedError("prompt is 2000000 tokens, the window 128000")])
+    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0)
+    assert result.outcome is Outcome.TASK_FAILED and result.reward == 0.0, result
+    assert result.error_kind == "context_window_exceeded", result.error
+
+
 async def test_file_editor_on_a_fifo_is_the_policys_error_not_infra(pool, calc_task):
     # A FIFO nobody writes: reading it would block until the host's wait gave up and the
     # rollout ended infra_failed, a failure the policy could choose instead of its reward 0.

@@ -22,6 +22,7 @@ from typing import Any
 
 from openhands.sdk import LLM, Agent, Conversation
 from openhands.sdk.event import Event, ObservationEvent
+from openhands.sdk.llm.exceptions import LLMContextWindowExceedError
 
 from sandpool.core import errors
 from sandpool.core.pool import Lease
@@ -89,6 +90,9 @@ async def run_conversation(
 
     Raises:
         InfraError: The sandbox failed during the conversation (it died, its channel broke).
+        ContextWindowExceeded: The LLM refused the prompt as longer than its context window
+            (OpenHands' ``LLMContextWindowExceedError``, with no condenser to shorten it): the
+            policy's failure, scored.
         Exception: Whatever the agent loop itself raised (e.g. the LLM endpoint failed, as
             OpenHands' ``ConversationRunError``); :func:`sandpool.core.classify.classify` makes
             it an infra failure, never a reward.
@@ -125,6 +129,8 @@ async def run_conversation(
     except Exception as exc:
         if link.failure is not None:  # the loop broke because the sandbox did
             raise link.failure from exc
+        if _context_exceeded(exc):
+            raise errors.ContextWindowExceeded(f"the policy's prompt outgrew its model's context window: {exc}") from exc
         raise  # the host-side loop's own error: sandpool's classifier calls it infra, unscored
     finally:
         link.close()
@@ -135,6 +141,19 @@ async def run_conversation(
         raise lease.broken
     tool_calls = sum(isinstance(e, ObservationEvent) for e in events)
     return ConversationResult(status=status, events=events, tool_calls=tool_calls, host_workdir=scratch)
+
+
+def _context_exceeded(exc: BaseException) -> bool:
+    """Whether ``exc`` or an error it wraps (OpenHands' ``ConversationRunError``) is the LLM's
+    context-window error."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, LLMContextWindowExceedError):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def openhands_episode(
