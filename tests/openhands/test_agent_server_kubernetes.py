@@ -21,6 +21,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from sandpool.core import errors
+from sandpool.core.classify import Verdict, classify
 from sandpool.core.backends.kubernetes import KubernetesBackend
 from sandpool.core.pool import PoolLimits, SandboxPool
 from sandpool.core.task import Task
@@ -30,6 +31,7 @@ from sandpool.integrations.openhands.workspace import SandpoolWorkspace
 from sandpool.testing.kwok import exec_prefix, local_pack_image_map
 from tests.cluster.conftest import RUN_ID, RUN_ID_LABEL, cluster, wait_until  # noqa: F401
 from tests.openhands.test_agent_server import SERVER_MODULES, gold_steps, run_episode
+from tests import waiting
 from tests.waiting import until
 
 pytestmark = pytest.mark.cluster
@@ -154,6 +156,26 @@ async def test_pod_deleted_mid_conversation_is_infra(cluster, k8s_pool, k8s_name
 
     with pytest.raises(errors.InfraError):
         await asyncio.to_thread(run_episode, k8s_pool, calc_task, steps, delete_once_started)
+
+
+async def test_a_pod_server_killed_from_inside_is_the_policys_failure_not_infra(k8s_pool, calc_task):
+    # As on the local backend: the pod lives, so only a process of the rollout can have sent
+    # the SIGKILL; as infra, a failing policy would turn its reward 0 into a retried rollout.
+    # (Driven through the lease, not a conversation: on kwok a port-forward to a port nobody
+    # listens on stays open instead of failing, so OpenHands' client would wait out its timeout.)
+    def kill_and_judge() -> tuple[list[str], errors.SandpoolError | None]:
+        with SandpoolWorkspace(k8s_pool, calc_task) as ws:
+            pid = ws.lease.sandbox._service.pid  # as the pod's processes see it
+            assert ws._run(ws.lease.sandbox.service_problems()) == []
+            assert ws._run(ws.lease.exec(f"kill -9 {pid}")).ok
+            # SIGKILL of a many-threaded process takes a moment: its threads exit one by one.
+            problems = waiting.wait_until(lambda: ws._run(ws.lease.sandbox.service_problems()),
+                                          "the killed server to be gone", interval=0.1)
+            return problems, ws._server_killed()
+
+    problems, err = await asyncio.to_thread(kill_and_judge)
+    assert problems and ("gone" in problems[0] or "dead" in problems[0]), problems
+    assert isinstance(err, errors.ServiceKilled) and classify(err) is Verdict.POLICY
 
 
 async def test_nothing_left_running_after_close(cluster, k8s_namespace, test_images_root, calc_commits,  # noqa: F811

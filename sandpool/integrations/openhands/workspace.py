@@ -214,7 +214,7 @@ class SandpoolWorkspace(RemoteWorkspace):
     def _server_killed(self) -> errors.ServiceKilled | None:
         """The policy's failure when the sandbox lives but its agent-server does not (killed or
         stopped from inside: OpenHands' client then fails as if the network had); None when
-        the server runs, or when the backend cannot say (a pod's server)."""
+        the server runs, or when the backend cannot say."""
         probe = getattr(self.lease.sandbox, "service_problems", None)
         problems = self._run(probe()) if probe is not None else []
         if not problems:

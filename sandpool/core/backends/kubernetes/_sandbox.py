@@ -18,7 +18,7 @@ from sandpool.core import errors
 from sandpool.core.backends.kubernetes._exec import PROCS, ExecTarget, build_argv, run_exec
 from sandpool.core.backends.kubernetes._portforward import PortStream, open_port
 from sandpool.core.backends._service import RunningService
-from sandpool.core.backends.kubernetes._service import restore_service
+from sandpool.core.backends.kubernetes._service import restore_service, service_problems
 from sandpool.core.backends.kubernetes._session import AgentSession
 from sandpool.core.base import ExecResult, Sandbox
 
@@ -126,6 +126,15 @@ class KubernetesSandbox(Sandbox):
             What differs (empty: pristine); [] without a service.
         """
         return await restore_service(self, timeout)
+
+    async def service_problems(self, *, timeout: float = 30.0) -> list[str]:
+        """Why the pod's service is not running as it started, one sentence each; [] when it
+        is, or without a service (as :meth:`LocalSandbox.service_problems`).
+
+        Raises:
+            SandboxDied, ExecTransportError: As :meth:`exec`.
+        """
+        return await service_problems(self, timeout)
 
     async def open_port(self, port: int) -> PortStream:
         """Open one connection to ``port`` inside the pod (``pods/portforward``).

@@ -164,6 +164,12 @@ async def restore_service(sb: KubernetesSandbox, timeout: float) -> list[str]:
     return problems or await _running(sb, svc, timeout)
 
 
+async def service_problems(sb: KubernetesSandbox, timeout: float) -> list[str]:
+    """Why ``sb``'s service is not running as it started (gone, stopped, its limits changed),
+    one sentence each; [] when it is, or without a service. The reset's first check."""
+    return [] if sb._service is None else await _running(sb, sb._service, timeout)
+
+
 async def _proc(sb: KubernetesSandbox, pid: int, timeout: float) -> tuple[str, str, str] | None:
     """``(state, start time, attributes)`` of ``pid`` in the pod (the local backend's reading)."""
     res = await sb.exec(local_service.proc_argv(pid), timeout=timeout, cwd="/")
