@@ -10,7 +10,10 @@ loaded into the server process, as in ``test_agent_server.py``.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import re
+import shutil
 import socket
 import subprocess
 import threading
@@ -21,8 +24,9 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from sandpool.core import errors
-from sandpool.core.classify import Verdict, classify
 from sandpool.core.backends.kubernetes import KubernetesBackend
+from sandpool.core.classify import Verdict, classify
+from sandpool.core.paths import sandpool_home
 from sandpool.core.pool import PoolLimits, SandboxPool
 from sandpool.core.task import Task
 from sandpool.integrations.openhands.pod_server import agent_server_pod_service
@@ -61,6 +65,21 @@ def _exists(read) -> bool:  # type: ignore[no-untyped-def]
         raise
 
 
+def _pod_visible(src: Path) -> Path:
+    """``src`` where a kwok pod can read it: a kwok pod's processes see the host's files except
+    ``/tmp``, which is the pod's own (``sandpool.testing.kwok.exec_prefix``), so a checkout under
+    /tmp (a CI clone) is copied under sandpool's home, keyed by its content."""
+    digest = hashlib.sha256()
+    for f in sorted(p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(f.relative_to(src)).encode() + b"\0" + f.read_bytes())
+    dest = sandpool_home() / "openhands" / f"pod-python-path-{digest.hexdigest()[:16]}"
+    if not dest.exists():
+        tmp = dest.with_name(dest.name + f".{os.getpid()}")
+        shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("__pycache__"))
+        os.replace(tmp, dest)
+    return dest
+
+
 def _backend(cluster, namespace: str, images_root: Path, **service_kw) -> KubernetesBackend:  # noqa: F811
     service = agent_server_pod_service(agent_server_env(), **service_kw)
     return KubernetesBackend(cluster.kubeconfig, namespace=namespace, image_map=local_pack_image_map(images_root),
@@ -70,7 +89,7 @@ def _backend(cluster, namespace: str, images_root: Path, **service_kw) -> Kubern
 @pytest.fixture(scope="module")
 async def k8s_pool(cluster, k8s_namespace, test_images_root, calc_commits, calc_task):  # noqa: F811
     backend = _backend(cluster, k8s_namespace, test_images_root, preload=("sandpool_scripted_llm",),
-                       python_path=(str(SERVER_MODULES),))
+                       python_path=(str(_pod_visible(SERVER_MODULES)),))
     # A server takes seconds to start, and much longer on a loaded CI machine.
     async with SandboxPool(backend, strategy="reuse", limits=PoolLimits(create_timeout=900)) as pool:
         await pool.prepare([calc_task], concurrency=2, rollouts_per_task=2)
