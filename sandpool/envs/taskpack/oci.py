@@ -36,7 +36,7 @@ from sandpool.core.paths import sandpool_home
 
 __all__ = ["SWE_IMAGE", "VERSION", "build_test_images"]
 
-VERSION = "1"
+VERSION = "2"
 SWE_IMAGE = "sandpool.test/swe-calc:1"
 _PACKAGES = "python3,python3-venv,python3-pip,python3-setuptools,python3-pytest,git,ca-certificates"
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -108,8 +108,10 @@ def build_test_images(root: Path | None = None) -> Path:
             return root
         base_tar = root / "base.tar"
         if not (root / "base.tar.done").is_file():
-            _run("mmdebstrap", "--quiet", "--variant=minbase", f"--include={_PACKAGES}", "bookworm",
-                 root / "base.tar.tmp")
+            # --format=tar: mmdebstrap picks the format from the target's name, and a name
+            # not ending in .tar (the temporary one) would make it write a directory.
+            _run("mmdebstrap", "--quiet", "--variant=minbase", "--format=tar", f"--include={_PACKAGES}",
+                 "bookworm", root / "base.tar.tmp")
             os.replace(root / "base.tar.tmp", base_tar)
             (root / "base.tar.done").touch()
         layout = root / "layout"
