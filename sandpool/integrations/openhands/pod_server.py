@@ -38,7 +38,7 @@ from pathlib import Path
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes._service import PodService
-from sandpool.integrations.openhands.server import SESSION_KEY, agent_server_env
+from sandpool.integrations.openhands.server import SESSION_KEY, agent_server_env, reset_steps
 
 __all__ = ["POD_PORT", "agent_server_pod_service"]
 
@@ -88,28 +88,10 @@ _READY = (
 )
 
 
-# The in-place reset's part for the server (PodService.reset_argv), run after the rollout's processes were killed: delete every conversation and bash
-# event through the server's own API, then the sockets of the terminals' tmux servers (they
-# died with the rollout); the reset then compares the directory with its fresh tree. The same
-# steps as the local backend's (server.py), over the pod's port.
-_RESET = _READY.split("while True:")[0] + (
-    f"key = {{'X-Session-API-Key': os.environ[{SESSION_KEY!r}]}}\n"
-    "def call(method, path):\n"
-    "    c = C('127.0.0.1', port, timeout=30); c.request(method, path, headers=key)\n"
-    "    r = c.getresponse(); body = r.read(); c.close()\n"
-    "    if r.status != 200: sys.exit(f'{method} {path}: HTTP {r.status} {body[:200]!r}')\n"
-    "    return json.loads(body or b'null')\n"
-    "here = os.path.join(os.environ.get('SANDPOOL_POD_RUN', '/run/sandpool'), 'service')\n"
-    "for _ in range(1000):\n"
-    "    items = call('GET', '/api/conversations/search?limit=100')['items']\n"
-    "    if not items: break\n"
-    "    for item in items: call('DELETE', '/api/conversations/' + item['id'])\n"
-    "else: sys.exit('conversations keep appearing')\n"
-    "call('DELETE', '/api/bash/bash_events')\n"
-    "import glob, stat\n"
-    "for p in glob.glob(here + '/tmux/tmux-*/openhands-*'):\n"
-    "    if stat.S_ISSOCK(os.lstat(p).st_mode): os.unlink(p)\n"
-)
+# PodService.reset_argv: the reset steps (server.reset_steps, shared with the local backend)
+# over the pod's port.
+_RESET = _READY.split("while True:")[0] + reset_steps(
+    "'127.0.0.1', port", "os.path.join(os.environ.get('SANDPOOL_POD_RUN', '/run/sandpool'), 'service', 'tmux')")
 
 
 def agent_server_pod_service(

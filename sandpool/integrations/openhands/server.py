@@ -115,32 +115,50 @@ _READY = (
 )
 
 
-# The in-place reset's part for the server (ServiceSpec.reset_argv), after the rollout's
-# processes were killed: delete every conversation and bash event through the server's own
-# API (the server drops them from memory and disk), then the sockets of the terminals' tmux
-# servers, which died with the rollout. The reset then compares the service directory with
-# its fresh state.
+def reset_steps(address: str, tmux_dir: str) -> str:
+    """Return the Python source of the agent-server's part of the in-place reset.
+
+    Run after the rollout's processes were killed: delete every conversation and bash event
+    through the server's own API (the server drops them from memory and disk), then the
+    sockets of the terminals' tmux servers, which died with the rollout. The reset then
+    compares the service directory with its fresh tree. One script for both backends.
+
+    Args:
+        address: Source of the arguments that open ``C`` (an ``http.client.HTTPConnection``
+            subclass the caller's prelude defines), e.g. ``"'localhost'"``.
+        tmux_dir: Source of an expression for the tmux servers' directory.
+
+    Returns:
+        Source to append to a prelude that imports ``os``/``sys`` and defines ``C``; it exits
+        non-zero with the failing call when the server answers other than 200.
+    """
+    return (
+        "import glob, json, stat\n"
+        f"key = {{'X-Session-API-Key': os.environ[{SESSION_KEY!r}]}}\n"
+        "def call(method, path):\n"
+        f"    c = C({address}, timeout=30); c.request(method, path, headers=key)\n"
+        "    r = c.getresponse(); body = r.read(); c.close()\n"
+        "    if r.status != 200: sys.exit(f'{method} {path}: HTTP {r.status} {body[:200]!r}')\n"
+        "    return json.loads(body or b'null')\n"
+        "for _ in range(1000):\n"
+        "    items = call('GET', '/api/conversations/search?limit=100')['items']\n"
+        "    if not items: break\n"
+        "    for item in items: call('DELETE', '/api/conversations/' + item['id'])\n"
+        "else: sys.exit('conversations keep appearing')\n"
+        "call('DELETE', '/api/bash/bash_events')\n"
+        f"for p in glob.glob({tmux_dir} + '/tmux-*/openhands-*'):\n"
+        "    if stat.S_ISSOCK(os.lstat(p).st_mode): os.unlink(p)\n"
+    )
+
+
+# ServiceSpec.reset_argv: the reset steps over the server's unix socket.
 _RESET = (
-    "import glob, http.client, json, os, socket, stat, sys\n"
+    "import http.client, os, socket, sys\n"
     "class C(http.client.HTTPConnection):\n"
     "    def connect(self):\n"
     "        self.sock = socket.socket(socket.AF_UNIX); self.sock.settimeout(self.timeout)\n"
     "        self.sock.connect(os.environ['SANDPOOL_OH_SOCKET'])\n"
-    f"key = {{'X-Session-API-Key': os.environ[{SESSION_KEY!r}]}}\n"
-    "def call(method, path):\n"
-    "    c = C('localhost', timeout=30); c.request(method, path, headers=key)\n"
-    "    r = c.getresponse(); body = r.read(); c.close()\n"
-    "    if r.status != 200: sys.exit(f'{method} {path}: HTTP {r.status} {body[:200]!r}')\n"
-    "    return json.loads(body or b'null')\n"
-    "for _ in range(1000):\n"
-    "    items = call('GET', '/api/conversations/search?limit=100')['items']\n"
-    "    if not items: break\n"
-    "    for item in items: call('DELETE', '/api/conversations/' + item['id'])\n"
-    "else: sys.exit('conversations keep appearing')\n"
-    "call('DELETE', '/api/bash/bash_events')\n"
-    "for p in glob.glob(os.environ['TMUX_TMPDIR'] + '/tmux-*/openhands-*'):\n"
-    "    if stat.S_ISSOCK(os.lstat(p).st_mode): os.unlink(p)\n"
-)
+) + reset_steps("'localhost'", "os.environ['TMUX_TMPDIR']")
 
 
 def agent_server_env(version: str = AGENT_SERVER_VERSION, *, python: str | None = None,
