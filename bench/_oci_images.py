@@ -15,6 +15,7 @@ from pathlib import Path
 
 from sandpool.core.images import ImageStore, hydrate
 from sandpool.core.task import Task
+from sandpool.envs.taskpack.oci import VERSION as IMAGES_VERSION
 from sandpool.envs.taskpack.oci import build_test_images
 
 __all__ = ["disk_per_image_current", "oci_tasks", "side_by_side"]
@@ -26,7 +27,7 @@ def oci_tasks(n: int, store: ImageStore) -> list[Task]:
     base = json.loads((root / "swe-task.json").read_text())
     tasks = []
     for i in range(n):
-        name = f"sandpool.bench/swe-calc-{i}:1"
+        name = f"sandpool.bench/swe-calc-{i}:v{IMAGES_VERSION}"  # new test images, new names
         if store.resolve(name) is None:
             hydrate(f"oci:{root / 'layout'}:swe", name=name, store=store)
         tasks.append(Task.model_validate({**base, "instance_id": f"sandpool__calc-{i}", "image": name}))

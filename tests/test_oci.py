@@ -27,6 +27,7 @@ from sandpool.core.paths import sandpool_home
 from sandpool.core.reset import record_pristine, reset_in_place
 from sandpool.core.task import Task
 from sandpool.envs.taskpack.oci import SWE_IMAGE, build_test_images
+from sandpool.envs.taskpack.oci import VERSION as IMAGES_VERSION  # keys the test store
 from tests.waiting import wait_until
 
 WH_IMAGE = "sandpool.test/wh:1"
@@ -42,7 +43,8 @@ def oci_images() -> Path:
 @pytest.fixture(scope="session")
 def oci_store(oci_images: Path) -> ImageStore:
     """A store holding the three test images, hydrated from the OCI layout."""
-    store = ImageStore(sandpool_home() / "test-oci-store-v1")
+    # Keyed by the images' version: a store hydrated from older test images would not match them.
+    store = ImageStore(sandpool_home() / f"test-oci-store-v{IMAGES_VERSION}")
     for tag, name in (("base", BASE_IMAGE), ("swe", SWE_IMAGE), ("wh", WH_IMAGE)):
         if store.resolve(name) is None:
             hydrate(f"oci:{oci_images / 'layout'}:{tag}", name=name, store=store)

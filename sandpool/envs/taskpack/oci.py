@@ -36,7 +36,7 @@ from sandpool.core.paths import sandpool_home
 
 __all__ = ["SWE_IMAGE", "VERSION", "build_test_images"]
 
-VERSION = "2"
+VERSION = "3"
 SWE_IMAGE = "sandpool.test/swe-calc:1"
 _PACKAGES = "python3,python3-venv,python3-pip,python3-setuptools,python3-pytest,git,ca-certificates"
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -60,6 +60,11 @@ python3 -m venv --system-site-packages {_ENV_DIR}
 {_ENV_DIR}/bin/pip install -q --no-index --no-build-isolation --no-use-pep517 -e /testbed
 rm -rf /testbed/calcpkg.egg-info
 rm -f /etc/issue.net
+# umoci repack rounds mtimes to whole seconds, which makes every .pyc written above stale
+# (a .pyc records its source's mtime truncated), so any later import in a sandbox would rewrite
+# it and the reset would quarantine. Whole-second mtimes, then fresh .pyc, keep them valid.
+find {_ENV_DIR} -exec touch -h -d @946684800 {{}} +
+{_ENV_DIR}/bin/python -m compileall -q -f {_ENV_DIR}/lib >/dev/null
 """
 
 
