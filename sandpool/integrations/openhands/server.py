@@ -189,15 +189,20 @@ def agent_server_env(version: str = AGENT_SERVER_VERSION, *, python: str | None 
         return venv
     subprocess.run(["rm", "-rf", str(venv)], check=True)
     venv.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    # -I everywhere: a PYTHONPATH of the caller's (a test venv's extras, say) would make pip
+    # count its packages as installed and leave them out of the env, which the sandbox lacks.
+    subprocess.run([python, "-I", "-m", "venv", str(venv)], check=True)
     # All three pinned: the server and tools packages accept older SDKs, which lack their imports.
     pins = [f"openhands-agent-server=={version}", f"openhands-tools=={version}", f"openhands-sdk=={version}"]
     cflags: list[str] = []
     if constraints:
         (venv / "constraints.txt").write_text("\n".join(constraints) + "\n")
         cflags = ["-c", str(venv / "constraints.txt")]
-    res = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *cflags, *pins],
-                         capture_output=True, text=True)
+    py = str(venv / "bin" / "python")
+    res = subprocess.run([py, "-I", "-m", "pip", "install", "-q", *cflags, *pins], capture_output=True, text=True)
+    if res.returncode == 0:  # the env must run the server by itself, as the sandbox runs it
+        res = subprocess.run([py, "-I", "-c", "import openhands.agent_server.api, openhands.tools"],
+                             capture_output=True, text=True)
     if res.returncode != 0:
         raise errors.ConfigError(f"building the agent-server env {venv} failed: {res.stderr[-800:]}")
     (venv / ".installed").write_text("\n".join(pins) + "\n")
