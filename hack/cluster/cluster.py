@@ -9,7 +9,7 @@ Usage:
 
 The real components are built with the machine's Go toolchain from the Go module
 proxy, at the versions pinned in hack/cluster/versions.env. Standard library only.
-It is one script of ~1000 lines because it must run before any venv exists (CI's first step),
+It is one script of ~1040 lines because it must run before any venv exists (CI's first step),
 as a single stdlib file.
 See hack/cluster/README.md.
 """

@@ -22,6 +22,11 @@ node:
 
 When a pod is deleted, its directories are removed (the Exec goes with the pod through
 its owner reference). Standard library only.
+
+Why one file of ~490 lines: it runs as one stdlib process started by ``cluster.py up``
+(no package to import from, before any venv exists); :class:`Provisioner` is one watch loop
+whose provisioning, port bridges and pod cleanup share its per-pod state. The port-forward
+bridge is the seam to move out next.
 """
 
 from __future__ import annotations

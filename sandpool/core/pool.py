@@ -6,7 +6,7 @@ waiting claims to idle sandboxes and decides what to create or evict; the I/O it
 A claim that is cancelled or times out removes its waiter, and hands back a sandbox that was
 assigned to it in the meantime, so no slot leaks.
 
-Why one module of ~730 lines: every state change goes through ``_assign`` under one lock,
+Why one module of ~750 lines: every state change goes through ``_assign`` under one lock,
 and the claim, release, fill and reset paths that feed it must read the same private state;
 splitting them across modules would expose that state. :class:`Lease` is the candidate to move
 out next.

@@ -35,7 +35,7 @@ An image is a directory ``<images_root>/<safe-name>/`` holding ``image.json``, `
 ``venv/`` (see :class:`LocalImage`); building one is hydration, done before rollouts ask.
 Overlay mounts need root (``CAP_SYS_ADMIN``); :meth:`LocalBackend.preflight` says so plainly.
 
-This module is ~960 lines, over the project's ~400: it holds the backend and its sandbox class,
+This module is ~990 lines, over the project's ~400 (not split yet, for want of time): it holds the backend and its sandbox class,
 whose start path (mounts, quota, cgroups, bubblewrap argv) is one sequence that must undo itself
 on failure. Known seams to split next: the OCI start path into ``_oci``, and the host side of the
 agent protocol onto the Kubernetes backend's ``_agent_client``, which decodes the same frames.
