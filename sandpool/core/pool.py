@@ -181,6 +181,24 @@ class Lease:
         """Write a file; see :meth:`sandpool.core.base.Sandbox.write_file`."""
         await self._guard(self.sandbox.write_file(path, data, mode=mode))
 
+    async def reset(self) -> None:
+        """Make the leased sandbox pristine again, keeping the lease (grading's clean slate).
+
+        The sandbox is reset in place and verified, as on release, and checked out at
+        ``task.base_commit``. If it fails the check, it is quarantined (deleted, counted); if
+        it is dead or :attr:`broken` it is deleted without a reset. Either way a fresh sandbox
+        of the same image, at the same commit, is swapped in under this lease (a claim of its
+        own: warm or created), and :attr:`sandbox` then names it. TTFC stays the first
+        command's.
+
+        Raises:
+            InfraError: No replacement sandbox could be had (``InfraTimeout``,
+                ``SandboxStartError``, ...); the lease is then released.
+            PoolClosed: The lease was released or the pool closed.
+        """
+        self._check()
+        await self._pool._reset_lease(self)
+
     async def release(self, *, reusable: bool = True) -> None:
         """Give the sandbox back (see :meth:`SandboxPool.release`)."""
         await self._pool.release(self, reusable=reusable)
@@ -411,30 +429,34 @@ class SandboxPool:
         with Telemetry.span("sandpool.claim", task_id=task.instance_id, image=task.image) as span:
             await self.hydrate(task.image)
             deadline = t0 + (timeout if timeout is not None else self.limits.claim_timeout)
-            while True:
-                entry, warm = await self._wait_for_entry(task, deadline)
-                if not entry.sandbox.alive():  # died while idle: not this rollout's failure
-                    self.counters.lost += 1
-                    self._drop(entry)
-                    continue
-                lease = Lease(self, entry, task, t0)
-                self._leases.add(lease)
-                if entry.head != task.base_commit:
-                    try:
-                        await checkout(entry.sandbox, task.base_commit, timeout=self.limits.reset_timeout)
-                    except errors.InfraError as exc:
-                        self._infra_error(exc.kind)
-                        await self.release(lease, reusable=False)
-                        raise
-                    except BaseException:
-                        await self.release(lease, reusable=False)
-                        raise
-                    entry.head = task.base_commit
-                self.counters.claims += 1
-                self.telemetry.claimed(warm=warm)
-                span.set_attribute("sandpool.warm", warm)
-                span.set_attribute("sandpool.sandbox_id", entry.sandbox.id)
-                return lease
+            entry, warm = await self._entry_at(task, deadline)
+            lease = Lease(self, entry, task, t0)
+            self._leases.add(lease)
+            self.counters.claims += 1
+            self.telemetry.claimed(warm=warm)
+            span.set_attribute("sandpool.warm", warm)
+            span.set_attribute("sandpool.sandbox_id", entry.sandbox.id)
+            return lease
+
+    async def _entry_at(self, task: Task, deadline: float) -> tuple[_Entry, bool]:
+        """A live sandbox of ``task.image`` assigned to the caller, at ``task.base_commit``,
+        and whether it was a warm hit. A failed checkout deletes the sandbox and raises."""
+        while True:
+            entry, warm = await self._wait_for_entry(task, deadline)
+            if entry.sandbox.alive():
+                break
+            self.counters.lost += 1  # died while idle: not this rollout's failure
+            self._drop(entry)
+        if entry.head != task.base_commit:
+            try:
+                await checkout(entry.sandbox, task.base_commit, timeout=self.limits.reset_timeout)
+            except BaseException as exc:
+                if isinstance(exc, errors.InfraError):
+                    self._infra_error(exc.kind)
+                self._drop(entry)
+                raise
+            entry.head = task.base_commit
+        return entry, warm
 
     async def _wait_for_entry(self, task: Task, deadline: float) -> tuple[_Entry, bool]:
         """Wait for a sandbox of ``task.image``; return it and whether it was a warm hit."""
@@ -492,6 +514,39 @@ class SandboxPool:
         entry.state = SandboxState.RESETTING
         img.resetting += 1
         await asyncio.shield(self._spawn(self._reset(entry, lease.task.base_commit)))
+
+    async def _reset_lease(self, lease: Lease) -> None:
+        """:meth:`Lease.reset`: reset the leased entry in place, or quarantine it and swap."""
+        self._check_open()
+        entry, task = lease._entry, lease.task
+        img = self._images[entry.image]
+        quarantine = False
+        if lease.broken is None and entry.sandbox.alive():
+            problems, head = await self._reset_checked(entry, task.base_commit)
+            self._check_open()
+            if not problems:
+                self.counters.resets += 1
+                if head == task.base_commit:
+                    entry.head = head
+                    return
+                problems = [f"could not check out {task.base_commit[:12]} after the reset"]
+            self._quarantined(entry, problems)
+            quarantine = True
+        # The old sandbox leaves the lease (deleted as on a release of a broken one, or
+        # quarantined); its delete frees its room under the live cap.
+        img.leased -= 1
+        entry.state = SandboxState.DELETED
+        self._start_delete(entry.sandbox, entry.image, quarantined=quarantine)
+        self._assign()
+        try:
+            fresh, warm = await self._entry_at(task, time.monotonic() + self.limits.claim_timeout)
+        except BaseException:
+            lease.released = True  # nothing is leased any more
+            self._leases.discard(lease)
+            raise
+        self.counters.claims += 1  # a claim of its own: a warm hit counts as one
+        self.telemetry.claimed(warm=warm)
+        lease._entry, lease.sandbox, lease.broken = fresh, fresh.sandbox, None
 
     # -- the one place where state changes -------------------------------------------------
 
@@ -652,8 +707,9 @@ class SandboxPool:
             img.target = min(img.target, img.live)
         self._changed.set()
 
-    async def _reset(self, entry: _Entry, commit: str) -> None:
-        img = self._images[entry.image]
+    async def _reset_checked(self, entry: _Entry, commit: str) -> tuple[list[str], str | None]:
+        """Reset ``entry`` in place and verify it; return its problems (empty: pristine) and the
+        commit it is at. Counts its time; raises nothing but a cancellation."""
         t0 = time.monotonic()
         quarantine = None
         with Telemetry.span("sandpool.reset", image=entry.image, sandbox_id=entry.sandbox.id) as span:
@@ -668,16 +724,24 @@ class SandboxPool:
                 problems, head = [f"reset failed: {type(exc).__name__}: {exc}"], None
                 quarantine = "reset_error"
             span.set_attribute("sandpool.quarantine", quarantine or "")
-        img.resetting -= 1
         self.counters.reset_time(time.monotonic() - t0)
         self.telemetry.reset_done(time.monotonic() - t0, quarantine=quarantine)
+        return problems, head
+
+    def _quarantined(self, entry: _Entry, problems: list[str]) -> None:
+        self.counters.quarantines += 1
+        self.counters.quarantine_reasons = (self.counters.quarantine_reasons
+                                            + [f"{entry.sandbox.id}: {'; '.join(problems)}"])[-20:]
+
+    async def _reset(self, entry: _Entry, commit: str) -> None:
+        img = self._images[entry.image]
+        problems, head = await self._reset_checked(entry, commit)
+        img.resetting -= 1
         if self.state is not PoolState.OPEN:
             await self._delete(entry.sandbox)
             return
         if problems:
-            self.counters.quarantines += 1
-            self.counters.quarantine_reasons = (self.counters.quarantine_reasons
-                                                + [f"{entry.sandbox.id}: {'; '.join(problems)}"])[-20:]
+            self._quarantined(entry, problems)
             entry.state = SandboxState.DELETED
             self._start_delete(entry.sandbox, entry.image, quarantined=True)
         else:
