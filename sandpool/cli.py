@@ -30,7 +30,7 @@ def _default_tasks(*, validated: bool = False, limit: int = 0, out: Path | None 
         pack = build_default_pack(progress=show)
     if not validated:
         return pack
-    from sandpool.envs.validate import VALIDATION_VERSION
+    from sandpool.envs.grading.validate import VALIDATION_VERSION
 
     # Validated once per pack (its directory is keyed by the pack digest) and grading version.
     passing = pack.parent / f"validated.v{VALIDATION_VERSION}.jsonl"
@@ -60,7 +60,7 @@ def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int
               grade_timeout: float = 300.0) -> int:
     from sandpool.core.backends.local import LocalBackend
     from sandpool.envs.tasks import load_tasks, local_base_resolver
-    from sandpool.envs.validate import validate_tasks
+    from sandpool.envs.grading.validate import validate_tasks
 
     rejected: list[RejectedTask] = []
     task_list = load_tasks(path, rejected=rejected, resolve_base=local_base_resolver())
@@ -178,7 +178,7 @@ def validate(
         broken = _validate(path, out / "validated.jsonl", out / "validation.json", concurrency=concurrency,
                            grade_timeout=grade_timeout)
         if tasks == "default":  # also the cache `sandpool run` reads for the default pack
-            from sandpool.envs.validate import VALIDATION_VERSION
+            from sandpool.envs.grading.validate import VALIDATION_VERSION
 
             for name, cached in (("validated.jsonl", f"validated.v{VALIDATION_VERSION}.jsonl"),
                                  ("validation.json", f"validation.v{VALIDATION_VERSION}.json")):

@@ -18,7 +18,7 @@ import pytest
 from sandpool.core import errors
 from sandpool.envs.datasets import detect_format, swebench_image
 from sandpool.envs.grading import grade
-from sandpool.envs.harness import harness_of, reverse_patch
+from sandpool.envs.grading.harness import harness_of, reverse_patch
 from sandpool.envs.tasks import load_tasks, local_base_resolver
 
 SWEBENCH_COLUMNS = ("repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement",
@@ -151,7 +151,7 @@ async def test_a_swe_smith_task_grades_with_its_harness_gold_one_empty_zero(loca
 
 
 def test_a_swebench_row_for_a_repo_swebench_does_not_know_is_a_broken_task(calc_task):
-    from sandpool.envs.harness import plan_for
+    from sandpool.envs.grading.harness import plan_for
     from sandpool.envs.tasks import parse_task
 
     task = parse_task(dict(_swebench_row(calc_task), repo="nobody/nothing"))

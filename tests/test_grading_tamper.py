@@ -389,8 +389,8 @@ async def test_code_under_test_that_floods_the_test_log_scores_zero_instead_of_a
         local_backend, calc_task, monkeypatch):
     # An infra failure is never scored, so a policy that could turn its failing rollout into
     # one would escape its 0. A small cap keeps the flood cheap.
-    import sandpool.envs.grading as grading
-    monkeypatch.setattr(grading, "_MAX_LOG_BYTES", 1 << 20)
+    import sandpool.envs.grading.inplace as inplace
+    monkeypatch.setattr(inplace, "MAX_LOG_BYTES", 1 << 20)
     sb = await _at_base(local_backend, calc_task)
     await _prepend(sb, "calc.py", FLOOD_THE_LOG)
     result = await grade(sb, calc_task, timeout=120)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from sandpool.core.task import Task
-from sandpool.envs.harness import plan_for
+from sandpool.envs.grading.harness import plan_for
 
 LOG = (Path(__file__).parent / "data" / "pytest_logs" / "toolz_mutant_pytest8.txt").read_text()
 _FAILED = ["test_memoize_kwargs", "test_memoize_key_signature"]  # of test_functoolz.py in that run

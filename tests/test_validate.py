@@ -6,7 +6,7 @@ import json
 
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.metrics import RejectedTask
-from sandpool.envs.validate import validate_tasks
+from sandpool.envs.grading.validate import validate_tasks
 
 
 async def test_validate_passes_good_tasks_and_names_each_kind_of_broken_one(test_images_root, calc_task,

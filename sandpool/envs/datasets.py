@@ -158,7 +158,7 @@ def row_to_task_fields(row: dict, *, line: int | None = None,
         image = str(data.pop("image_name", "") or "")
         data["image"] = image if "/" in image or not image else f"jyangballin/{image.replace('__', '_1776_')}:latest"
         if data.get("patch"):
-            from sandpool.envs.harness import reverse_patch
+            from sandpool.envs.grading.harness import reverse_patch
 
             try:
                 data["bug_patch"], data["patch"] = data["patch"], reverse_patch(data["patch"])

@@ -22,7 +22,15 @@ import json
 import re
 from dataclasses import dataclass, field
 
-__all__ = ["RUNNERS", "SignedReport", "cross_check", "read_signed_report", "runner_check"]
+from sandpool.core.base import ExecResult
+from sandpool.core.task import Task
+from sandpool.envs.grading.harness import TestPlan
+
+__all__ = ["MAX_LOG_BYTES", "RUNNERS", "GradeResult", "SignedReport", "cross_check", "read_signed_report",
+           "runner_check", "score_run", "unresolved"]
+
+#: Cap on the captured test log; a longer log scores 0 (the code under test wrote it).
+MAX_LOG_BYTES = 64 << 20
 
 _PASS = ("PASSED", "XFAIL")
 _SUMMARY = re.compile(r"^=+ (.*\d+ \w+.*) in [\d.]+s(?: \([^)]*\))? =+$")
@@ -218,3 +226,112 @@ def runner_check(log: str, exit_code: int, *, resolved_by_log: bool, runner: str
         evidence.append("the log shows passing tests but none of the runner's closing lines "
                         "(the runner was ended early)")
     return evidence
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    """The outcome of grading one rollout.
+
+    Attributes:
+        reward: 1.0 if resolved, else 0.0.
+        resolved: True when the harness's rule says resolved and every cross-check agreed.
+        f2p_passed: Number of FAIL_TO_PASS tests that passed.
+        f2p_failed: Number of FAIL_TO_PASS tests that did not pass.
+        p2p_passed: Number of PASS_TO_PASS tests that passed.
+        p2p_failed: Number of PASS_TO_PASS tests that did not pass.
+        failed_f2p: The FAIL_TO_PASS ids that did not pass, in task order.
+        failed_p2p: The PASS_TO_PASS ids that did not pass, in task order.
+        timed_out: True when the test command hit its timeout (scored 0: the policy's code
+            hung, e.g. an infinite loop).
+        error: Why the tests could not run as the harness runs them, when the policy's state
+            is the cause (it destroyed ``.git``, the test patch does not apply to its tree,
+            its code wrote a test log over the capture cap);
+            scored 0. A cause in the task itself raises instead (see :func:`grade`).
+        tampering: Evidence that the policy's code forged a pass (scored 0), one sentence each.
+        neutralised: Test configuration restored or removed, and startup files deleted, before
+            the tests ran.
+        harness: Which harness graded (see :mod:`sandpool.envs.grading.harness`).
+        exit_code: The test command's exit status (``None`` when it did not run).
+        duration_s: Wall time of the test command inside the sandbox, in seconds.
+        log: The test command's stdout and stderr, for debugging.
+    """
+
+    reward: float
+    resolved: bool
+    f2p_passed: int
+    f2p_failed: int
+    p2p_passed: int
+    p2p_failed: int
+    failed_f2p: tuple[str, ...] = ()
+    failed_p2p: tuple[str, ...] = ()
+    timed_out: bool = False
+    error: str | None = None
+    tampering: tuple[str, ...] = ()
+    neutralised: tuple[str, ...] = ()
+    harness: str = ""
+    exit_code: int | None = None
+    duration_s: float = 0.0
+    log: str = ""
+
+
+def unresolved(task: Task, **kw: object) -> GradeResult:
+    return GradeResult(
+        reward=0.0, resolved=False,
+        f2p_passed=0, f2p_failed=len(task.FAIL_TO_PASS),
+        p2p_passed=0, p2p_failed=len(task.PASS_TO_PASS),
+        failed_f2p=tuple(task.FAIL_TO_PASS), failed_p2p=tuple(task.PASS_TO_PASS), **kw,  # type: ignore[arg-type]
+    )
+
+
+def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: bytes | None, key: bytes, *,
+              neutral: tuple[str, ...] = (), suspicious: list[str] = ()) -> GradeResult:
+    """Score one test run with the harness's parser and rule, cross-checked (see the module docstring).
+
+    Args:
+        task: The task.
+        plan: Its harness plan.
+        res: The test command's result.
+        log: Its stdout and stderr.
+        report: The signed report's bytes (None: missing), for pytest harnesses.
+        key: The run's report key.
+        neutral: What grading restored or removed before the run, for the result.
+        suspicious: Evidence found before the run, scored as tampering.
+
+    Returns:
+        The :class:`GradeResult`: resolved only when the harness's rule holds on the log and on
+        the signed report and no evidence of tampering was found.
+    """
+    f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
+    common = {"harness": plan.harness, "neutralised": neutral, "exit_code": res.exit_code,
+              "duration_s": res.duration_s, "log": log}
+    if res.timed_out:
+        return unresolved(task, timed_out=True, **common)
+    status = plan.parse(log)
+    resolved, failed_f2p, failed_p2p = plan.score(status)
+    evidence = list(suspicious)
+    if plan.pytest:
+        rep = read_signed_report(report, key)
+        evidence += cross_check(rep, log=log, log_status=status, exit_code=res.exit_code,
+                                tests=f2p + p2p, id_of=plan.id_of)
+        if rep.sealed:
+            # The harness's rule must also hold on the signed report's outcomes.
+            by_id: dict[str, str] = {}
+            for nodeid, st in rep.statuses.items():
+                by_id[plan.id_of(nodeid)] = st
+            ok, rep_f2p, rep_p2p = plan.score(by_id)
+            if resolved and not ok:
+                resolved, failed_f2p, failed_p2p = False, rep_f2p, rep_p2p
+        elif resolved:  # pytest did not finish: nothing it reported can resolve the task
+            resolved, failed_f2p, failed_p2p = False, f2p, p2p
+    else:
+        evidence += runner_check(log, res.exit_code, resolved_by_log=resolved,
+                                 runner=RUNNERS.get(task.repo, ""))
+    if evidence:
+        return unresolved(task, tampering=tuple(evidence), **common)
+    return GradeResult(
+        reward=1.0 if resolved else 0.0, resolved=resolved,
+        # R2E-Gym compares whole maps: its "failed" lists hold mismatched keys, not listed ids.
+        f2p_passed=max(0, len(f2p) - len(failed_f2p)), f2p_failed=len(failed_f2p),
+        p2p_passed=max(0, len(p2p) - len(failed_p2p)), p2p_failed=len(failed_p2p),
+        failed_f2p=failed_f2p, failed_p2p=failed_p2p, **common,
+    )

@@ -23,7 +23,7 @@ Four harnesses, chosen by :func:`harness_of` (a row's ``harness`` column wins):
   node id after its file), keys cut at `` - ``; resolved only when the parsed map equals
   ``expected_output_json`` exactly (R2E-Gym ``DockerRuntime._calculate_reward_r2e``).
 * ``pytest``: sandpool's own task pack. ``python -m pytest -rA`` on the FAIL_TO_PASS /
-  PASS_TO_PASS files, parsed by :func:`sandpool.envs.grading.parse_test_log`; resolved when
+  PASS_TO_PASS files, parsed by :func:`sandpool.envs.grading.pytest_log.parse_test_log`; resolved when
   every listed test is PASSED or XFAIL.
 """
 
@@ -270,7 +270,7 @@ def _r2e_plan(task: Task) -> TestPlan:
 
 
 def _pytest_plan(task: Task) -> TestPlan:
-    from sandpool.envs.grading import files_of_tests, parse_test_log, pytest_command
+    from sandpool.envs.grading.pytest_log import files_of_tests, parse_test_log, pytest_command
 
     f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
     files = files_of_tests(f2p + p2p)
