@@ -319,7 +319,7 @@ async def test_a_refused_connection_becomes_api_error_after_retries():
 
 
 async def test_agent_client_matches_answers_split_across_frames_and_fails_pending_calls():
-    from sandpool.core.backends._agent_client import AgentClient
+    from sandpool.core.agent.client import AgentClient
 
     sent: list[bytes] = []
 

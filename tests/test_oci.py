@@ -287,7 +287,7 @@ def test_a_killed_runners_oci_sandboxes_are_reaped(oci_store: ImageStore, tmp_pa
 
 
 async def test_a_disk_full_hydration_leaves_no_usable_image(oci_images: Path, tmp_path: Path) -> None:
-    from sandpool.core.backends import _quota
+    from sandpool.core.backends.local import _quota
 
     disk = tmp_path / "small"
     disk.mkdir()

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from sandpool.core import PoolLimits, SandboxPool, errors
-from sandpool.core.backends import _idmap, _overlay
+from sandpool.core.backends.local import _idmap, _overlay
 from sandpool.core.backends.local import LocalBackend, image_dir
 from sandpool.core.reset import SAFE_GIT, restore_git_metadata
 

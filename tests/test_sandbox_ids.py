@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from sandpool.core import PoolLimits, SandboxPool
-from sandpool.core.backends import _idmap, _overlay
+from sandpool.core.backends.local import _idmap, _overlay
 from sandpool.core.backends.local import LocalBackend, LocalSandbox
 from sandpool.core.images import ID_BASE, ID_COUNT
 from sandpool.core.paths import sandpool_home

@@ -29,7 +29,7 @@ def mount_overlay(lowers: list[Path | str], upper: Path | None, work: Path | Non
     opts = "lowerdir=" + ":".join(str(p) for p in lowers)
     if upper is not None:
         # No metacopy and no redirects: each upper entry then holds its full data and name,
-        # and the host can compare it with the lower layers (see backends/_overlay).
+        # and the host can compare it with the lower layers (see backends/local/_overlay).
         opts += f",upperdir={upper},workdir={work},redirect_dir=off,metacopy=off"
     if len(opts) > MAX_OVERLAY_OPTS:
         raise OSError(7, f"overlay on {target}: {len(lowers)} lower layers do not fit in one "

@@ -2,7 +2,7 @@
 
 ``hydrate(source)`` brings an image in (registry, ``docker save`` archive, OCI layout, local
 Docker/Podman store); :class:`ImageStore` lists, resolves and prunes what is there. The local
-backend starts sandboxes from them (see ``sandpool.core.backends._oci``).
+backend starts sandboxes from them (see ``sandpool.core.backends.local._oci``).
 """
 
 from sandpool.core.images.hydrate import hydrate, normalize_source

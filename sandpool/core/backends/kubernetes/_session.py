@@ -1,10 +1,10 @@
 """One long-lived agent session per sandbox over a single pod-exec stream.
 
 After a sandbox is claimed, :class:`AgentSession` opens ONE exec stream (stdin, stdout and
-stderr) running sandpool's agent (:mod:`sandpool.core.backends._agent`, the same file the
+stderr) running sandpool's agent (:mod:`sandpool.core.agent._agent`, the same file the
 local backend runs) with ``python3 -I -u -c <source>``; every later command, file read and
 write, process listing and kill of strays of the sandbox is a JSON line on that stream
-(:class:`~sandpool.core.backends._agent_client.AgentClient`). The API server then sees the
+(:class:`~sandpool.core.agent.client.AgentClient`). The API server then sees the
 one stream per sandbox lifetime, not one per command.
 
 Frames (``v5``/``v4.channel.k8s.io``): the client sends stdin as binary frames prefixed by
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from sandpool.core import errors
-from sandpool.core.backends._agent_client import AgentClient, agent_source
+from sandpool.core.agent.client import AgentClient, agent_source
 from sandpool.core.backends.kubernetes._errors import Channel, translate
 from sandpool.core.backends.kubernetes._exec import PROTOCOLS, ExecTarget, parse_status, unreached
 

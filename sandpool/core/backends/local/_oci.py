@@ -42,7 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sandpool.core import errors
-from sandpool.core.backends._idmap import as_host_id, disable_nested_userns, unpublish
+from sandpool.core.backends.local._idmap import as_host_id, disable_nested_userns, unpublish
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
 from sandpool.core.mounts import bind_ro, mount_overlay, umount

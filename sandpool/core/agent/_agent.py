@@ -5,7 +5,7 @@ exec never pays for a sandbox start. Protocol: one JSON object per line on stdin
 and one per line on stdout (a response with the same ``id``). Requests are served on threads,
 so a slow command does not block others.
 
-Why one file of ~600 lines: it is copied into every sandbox (and run in every pod) as a single
+Why one file: it is copied into every sandbox (and run in every pod) as a single
 stdlib script, with no package to import from; the local and Kubernetes backends share it.
 
 Ops:

@@ -3,7 +3,7 @@ channel.
 
 :class:`AgentClient` multiplexes requests by ``id`` over one channel and decodes the
 answers into sandpool's types; it does not know how the bytes travel. The Kubernetes
-backend feeds it from one pod-exec stream (:mod:`.kubernetes._session`); the agent itself,
+backend feeds it from one pod-exec stream (:mod:`sandpool.core.backends.kubernetes._session`); the agent itself,
 and so every exec semantic (exit codes, process-group timeouts, escapee kill, output caps,
 process listing, kill of strays), is the one :mod:`._agent` the local backend runs.
 """

@@ -1,0 +1,127 @@
+"""What a local sandbox of an image directory sees where: the bubblewrap argv and its paths."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sandpool.core.agent.client import AGENT_PATH
+from sandpool.core.backends.local import _idmap
+from sandpool.core.base import ResourceLimits
+
+if TYPE_CHECKING:
+    from sandpool.core.backends.local.image import LocalImage
+    from sandpool.core.backends.local.service import ServiceSpec
+
+__all__ = ["AGENT", "AGENT_IN_SANDBOX", "IMAGE_IN_SANDBOX", "SCRATCH", "SERVICE_DIR",
+           "WORK_CGROUP_IN_SANDBOX", "bwrap_argv", "write_etc"]
+
+#: The service's own writable directory inside the sandbox (a host directory per sandbox,
+#: ``LocalSandbox.service_dir``); it is its working directory.
+SERVICE_DIR = "/run/sandpool-service"
+#: Everything a sandbox can write outside the repo: emptied by the in-place reset.
+SCRATCH = ("/tmp", "/dev/shm", "/dev/mqueue")
+AGENT = AGENT_PATH
+AGENT_IN_SANDBOX = "/opt/sandpool/agent.py"
+WORK_CGROUP_IN_SANDBOX = "/opt/sandpool/work-cgroup"
+IMAGE_IN_SANDBOX = "/opt/sandpool/image"
+SANDBOX_UID = _idmap.SANDBOX_UID
+
+
+def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, merged: Path,
+           tmp: Path | None, work_procs: Sequence[str] = (), service: ServiceSpec | None = None,
+           service_dir: Path | None = None) -> list[str]:
+    """The bubblewrap argv of a sandbox of image directory ``img`` (see the package docstring).
+
+    Args:
+        bwrap: The bubblewrap executable.
+        limits: The sandbox's limits (``network`` shares the host's network back).
+        img: The image; its repo (the shifted copy) is bound read-only at :data:`IMAGE_IN_SANDBOX`.
+        etc: The run's directory of ``passwd``, ``group`` and ``hosts`` (:func:`write_etc`).
+        merged: The repo's overlay, bound at ``img.workdir``.
+        tmp: The host directory that becomes ``/tmp`` (on the quota filesystem), else a tmpfs.
+        work_procs: The work cgroup's ``cgroup.procs`` files the agent moves commands into.
+        service: The backend's service, whose binds are added with ``service_dir`` at
+            :data:`SERVICE_DIR`.
+        service_dir: The host directory of the sandbox's service.
+    """
+    venv_bin = f"{img.venv}/bin"
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        *(["--share-net"] if limits.network else []),
+        "--die-with-parent",
+        "--new-session",
+        # The agent is the sandbox's pid 1: no process inside shares its pipes (see _agent).
+        "--as-pid-1",
+        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+        # The host disabled nested user namespaces (_idmap.disable_nested_userns); check.
+        "--assert-userns-disabled",
+        "--hostname", "sandbox",
+        "--clearenv",
+        "--ro-bind", "/usr", "/usr",
+    ]
+    for top in ("bin", "sbin", "lib", "lib32", "lib64"):
+        host = Path("/") / top
+        if host.is_symlink():
+            argv += ["--symlink", os.readlink(host), f"/{top}"]
+        elif host.exists():
+            argv += ["--ro-bind", str(host), f"/{top}"]
+    for name in ("passwd", "group", "hosts"):
+        argv += ["--ro-bind", str(etc / name), f"/etc/{name}"]
+    for name in ("ld.so.cache", "ssl", "alternatives", "localtime", "mime.types"):
+        argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+    argv += [
+        "--proc", "/proc",
+        "--dev", "/dev",
+        "--tmpfs", "/dev/shm",
+        "--mqueue", "/dev/mqueue",
+        *(["--bind", str(tmp), "/tmp"] if tmp else ["--tmpfs", "/tmp"]),
+        "--ro-bind", img.python_prefix, img.python_prefix,
+        "--ro-bind", img.venv, img.venv,
+        "--bind", str(merged), img.workdir,
+        "--ro-bind", img.repo, IMAGE_IN_SANDBOX,
+        "--ro-bind", str(AGENT), AGENT_IN_SANDBOX,
+    ]
+    if service is not None and service_dir is not None:
+        for host, dest in service.binds:
+            argv += ["--ro-bind", host, dest]
+        argv += ["--bind", str(service_dir), SERVICE_DIR]
+    # The agent puts each command into the work cgroup (its pid and memory budget),
+    # through these files only: the policy cannot see or change any limit.
+    for i, procs in enumerate(work_procs):
+        argv += ["--bind", procs, f"{WORK_CGROUP_IN_SANDBOX}/{i}"]
+    if work_procs:
+        argv += ["--setenv", "SANDPOOL_WORK_CGROUP", WORK_CGROUP_IN_SANDBOX]
+    argv += [
+        "--setenv", "PATH", f"{venv_bin}:/usr/local/bin:/usr/bin:/bin",
+        "--setenv", "VIRTUAL_ENV", img.venv,
+        "--setenv", "HOME", "/tmp",
+        "--setenv", "LANG", "C.UTF-8",
+        "--setenv", "TMPDIR", "/tmp",
+        "--setenv", "GIT_CONFIG_NOSYSTEM", "1",
+        "--setenv", "GIT_AUTHOR_NAME", "sandbox", "--setenv", "GIT_AUTHOR_EMAIL", "sandbox@localhost",
+        "--setenv", "GIT_COMMITTER_NAME", "sandbox", "--setenv", "GIT_COMMITTER_EMAIL", "sandbox@localhost",
+        # The root is bubblewrap's scratch tmpfs: make it read-only once mounts are in place;
+        # so is /dev's, so only the repo, /tmp, /dev/shm and /dev/mqueue are writable.
+        "--remount-ro", "/dev",
+        "--remount-ro", "/",
+        "--chdir", img.workdir,
+        f"{venv_bin}/python", "-I", "-u", AGENT_IN_SANDBOX,
+    ]
+    return argv
+
+
+def write_etc(run_dir: Path) -> Path:
+    """Write the ``/etc`` files every sandbox of a run shares, once; return their directory."""
+    etc = run_dir / "etc"
+    if etc.exists():
+        return etc
+    etc.mkdir(parents=True)
+    (etc / "passwd").write_text(f"sandbox:x:{SANDBOX_UID}:{SANDBOX_UID}::/tmp:/bin/bash\n")
+    (etc / "group").write_text(f"sandbox:x:{SANDBOX_UID}:\n")
+    (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
+    return etc

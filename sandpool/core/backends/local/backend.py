@@ -1,0 +1,417 @@
+"""The local backend: image directories and OCI images started as bubblewrap sandboxes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from sandpool.core import errors
+from sandpool.core.backends.local import _cgroup, _idmap, _oci, _quota
+from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, write_etc
+from sandpool.core.backends.local.image import LocalImage, image_dir
+from sandpool.core.backends.local.sandbox import LocalSandbox
+from sandpool.core.backends.local.service import ServiceSpec, start_service
+from sandpool.core.base import Backend, ResourceLimits, Sandbox
+from sandpool.core.images import ID_BASE, ImageStore, OciImage
+from sandpool.core.mounts import mount_overlay
+from sandpool.core.mounts import umount as _umount
+from sandpool.core.paths import sandpool_home
+
+__all__ = ["LocalBackend", "reap_stale"]
+
+_STREAM_LIMIT = 256 << 20  # bytes; one response line carries a whole (base64) output
+
+
+class LocalBackend(Backend):
+    """Creates sandboxes as bubblewrap process trees on this machine.
+
+    Usage::
+
+        backend = LocalBackend()                       # images under ~/.cache/sandpool/images
+        sandbox = await backend.create("sandpool.local/toolz:1.0.0")
+        result = await sandbox.exec("git status", timeout=10)
+        await backend.aclose()                         # deletes every sandbox it made
+
+    Args:
+        images_root: Directory of image directories (default ``sandpool_home()/images``).
+        limits: Per-sandbox CPU, memory, pid and network settings.
+        state_root: Where per-sandbox overlay layers live (default ``sandpool_home()/local``).
+        start_timeout: Seconds a sandbox may take to accept commands.
+        bwrap: The bubblewrap executable.
+        require_limits: Refuse to run when no cgroup hierarchy is writable (default). Set
+            False to run without CPU/memory/pid limits, e.g. unprivileged in a container.
+        store: The OCI image store consulted for names that are not image directories
+            (default ``ImageStore()``, under ``sandpool_home()/oci-v1``).
+        service: A long-lived process each sandbox starts before it is handed out.
+    """
+
+    name = "local"
+
+    def __init__(
+        self,
+        images_root: Path | str | None = None,
+        *,
+        limits: ResourceLimits = ResourceLimits(),
+        state_root: Path | str | None = None,
+        start_timeout: float = 30.0,
+        bwrap: str = "bwrap",
+        require_limits: bool = True,
+        store: ImageStore | None = None,
+        service: ServiceSpec | None = None,
+    ) -> None:
+        self.images_root = Path(images_root) if images_root else sandpool_home() / "images"
+        self.limits = limits
+        self.run_id = uuid.uuid4().hex[:8]
+        self._state_base = Path(state_root) if state_root else sandpool_home() / "local"
+        self._run_dir = self._state_base / self.run_id
+        self.start_timeout = start_timeout
+        self.bwrap = bwrap
+        self.require_limits = require_limits
+        self.store = store or ImageStore()
+        self.service = service
+        self._images: dict[str, LocalImage | OciImage] = {}
+        self._live: dict[str, LocalSandbox] = {}
+        self._seq = itertools.count(1)
+        self._cgroups = _cgroup.detect(f"sandpool/{self.run_id}")
+        self._preflight_ok = False
+
+    def __repr__(self) -> str:
+        return f"<LocalBackend run={self.run_id} live={len(self._live)} images={len(self._images)}>"
+
+    async def preflight(self) -> None:
+        """Check bubblewrap, overlay permission and cgroups; reap dead runs' leftovers.
+
+        Raises:
+            BackendUnavailable: With one sentence naming what is missing and the fix.
+        """
+        if self._preflight_ok:
+            return
+        if shutil.which(self.bwrap) is None:
+            raise errors.BackendUnavailable(
+                f"bubblewrap ({self.bwrap!r}) is not on PATH; install it: apt-get install bubblewrap"
+            )
+        if os.geteuid() != 0:
+            raise errors.BackendUnavailable(
+                "the local backend mounts an overlay per sandbox and needs root (CAP_SYS_ADMIN); "
+                "run as root or use the kubernetes backend"
+            )
+        if self._cgroups is None and self.require_limits:
+            raise errors.BackendUnavailable(
+                "no writable cgroup hierarchy (v1 pids+memory+cpu or v2) for sandbox limits; "
+                "fix the cgroup mount or pass require_limits=False to run without limits"
+            )
+        reap_stale(self._state_base)
+        self._run_dir.mkdir(parents=True, exist_ok=True)
+        (self._run_dir / "owner.pid").write_text(str(os.getpid()))
+        self._preflight_ok = True
+
+    def image(self, name: str) -> LocalImage | OciImage:
+        """Load and cache image ``name``: an image directory's ``image.json``, else an OCI
+        image from the store.
+
+        Raises:
+            ImageNotFound: No built or hydrated image of that name; the message says how to
+                get one.
+        """
+        if name in self._images:
+            return self._images[name]
+        path = image_dir(self.images_root, name) / "image.json"
+        if not path.exists():
+            oci = self.store.resolve(name)
+            if oci is not None:
+                self._images[name] = oci
+                return oci
+            raise errors.ImageNotFound(
+                f"image {name!r} is not built under {self.images_root} (no {path.name}) nor "
+                f"hydrated in {self.store.root}; build the task pack (`sandpool build-pack`), "
+                f"hydrate it (`sandpool images pull docker://{name}`, or a docker-archive:/oci: "
+                "source with --name), or fix the task's `image` field"
+            )
+        try:
+            img = LocalImage.model_validate_json(path.read_text())
+        except ValidationError as exc:
+            raise errors.ImageNotFound(f"image {name!r}: {path} is malformed: {exc}") from exc
+        for field in ("venv", "repo", "python_prefix"):
+            if Path(getattr(img, field)).is_relative_to("/tmp"):
+                raise errors.ImageNotFound(
+                    f"image {name!r}: {field} {getattr(img, field)} is under /tmp, which is private "
+                    "to each sandbox; build images elsewhere (the default is under sandpool_home())"
+                )
+            if not Path(getattr(img, field)).is_dir():
+                raise errors.ImageNotFound(
+                    f"image {name!r}: {field} directory {getattr(img, field)} is missing; rebuild the image"
+                )
+        rev = subprocess.run(["git", "-C", img.repo, "rev-parse", "-q", "--verify", "HEAD"],
+                             capture_output=True, text=True)
+        img = img.model_copy(update={"head": rev.stdout.strip() or None})
+        self._images[name] = img
+        return img
+
+    async def hydrate(self, image: str) -> None:
+        """Verify that local image ``image`` is built (see :meth:`image`), and make its repo's
+        copy owned by the sandbox's uid (``_idmap.shifted_repo``) so no create waits for it."""
+        img = self.image(image)
+        if isinstance(img, LocalImage):
+            await _offload_ret(_idmap.shifted_repo, img.repo)
+
+    async def create(self, image: str) -> LocalSandbox:
+        """Start a sandbox from image ``image``; returns once its agent is ready.
+
+        Raises:
+            ImageNotFound: The image is not built or hydrated.
+            SandboxStartError: Mount, quota, cgroup or bubblewrap failed, or the agent never
+                answered.
+            BackendUnavailable: Preflight failed.
+        """
+        await self.preflight()
+        img = self.image(image)
+        if self.service is not None and isinstance(img, OciImage):
+            raise errors.ConfigError(f"image {image!r} is an OCI image; a ServiceSpec runs only in "
+                                     "sandboxes of image directories")
+        etc = write_etc(self._run_dir)
+        sid = f"sb-{self.run_id}-{next(self._seq)}"
+        state = self._run_dir / sid
+        oci = isinstance(img, OciImage)
+        if not oci:  # the lower layer is the repo's copy owned by the sandbox's uid (_idmap)
+            img = img.model_copy(update={"repo": str(await _offload_ret(_idmap.shifted_repo, img.repo))})
+        pass_fds: list[int] = []  # the child's ends, closed once it is spawned
+        info_r = block_w = -1
+        try:
+            state.mkdir(parents=True)
+            upper, work, tmp = state / "upper", state / "work", None
+            if self.limits.disk_bytes:
+                disk = state / "disk"
+                disk.mkdir()
+                tpl = await _offload_ret(_quota.template, self.limits.disk_bytes)
+                await _quota.attach(tpl, state / "disk.img", disk, ID_BASE if oci else _idmap.HOST_UID)
+                upper, work, tmp = disk / "upper", disk / "work", disk / "tmp"
+            else:
+                upper.mkdir()
+                work.mkdir()
+                if oci:
+                    os.chown(upper, ID_BASE, ID_BASE)
+            procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
+            work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
+            # The agent (host uid ID_BASE + its uid inside) moves its commands there.
+            agent_id = (ID_BASE + img.uid, ID_BASE + img.gid) if oci else (_idmap.HOST_UID,) * 2
+            for f in work_procs:
+                os.chown(f, *agent_id)
+            info_r, info_w = os.pipe()
+            pass_fds.append(info_w)
+            block_r, block_w = os.pipe()
+            pass_fds.append(block_r)
+            if oci:
+                pub = _oci.prepare_host(self.run_id, AGENT)
+                root = pub / sid / "root"
+                root.mkdir(parents=True)
+                lowers = _oci.lowerdirs(self.store, img, _oci.skeleton(self._run_dir))
+                mount_overlay(lowers, upper, work, root)
+                view = _oci.image_view(pub, self.store, img)
+                argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
+                                       block_fd=block_r, info_fd=info_w, work_procs=work_procs,
+                                       view=view)
+            else:
+                merged = state / "merged"
+                merged.mkdir()
+                # The merged root takes the upper root's attributes: make them the image's, so
+                # the fresh repo is identical to the image's down to its root directory.
+                lst = os.stat(img.repo)
+                os.chown(upper, lst.st_uid, lst.st_gid)
+                os.chmod(upper, stat.S_IMODE(lst.st_mode))
+                os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
+                mount_overlay([img.repo], upper, work, merged)
+                # The service's directory shares the sandbox's disk quota when there is one.
+                svc = (state / "disk" if self.limits.disk_bytes else state) / "service"
+                if self.service is not None:
+                    svc.mkdir()
+                    os.chown(svc, _idmap.HOST_UID, _idmap.HOST_UID)
+                argv = _idmap.publish_binds(bwrap_argv(self.bwrap, self.limits, img, etc, merged, tmp,
+                                                       work_procs, self.service, svc)[1:],
+                                            _oci.public_dir(self.run_id) / sid)
+                argv = [*_idmap.as_host_id(_idmap.HOST_UID), self.bwrap, "--userns-block-fd", str(block_r),
+                        "--info-fd", str(info_w), *argv]
+            stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
+            try:
+                proc = await asyncio.create_subprocess_exec(
+                    "/bin/sh", "-c",
+                    # Join the cgroups first, so every process the sandbox forks is inside.
+                    'for f in $SANDPOOL_CGROUP_PROCS; do echo $$ > "$f"; done; exec "$@"',
+                    "sh", *argv,
+                    stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE,
+                    stderr=stderr,
+                    env={"SANDPOOL_CGROUP_PROCS": " ".join(procs), "PATH": os.environ.get("PATH", "/usr/bin:/bin")},
+                    limit=_STREAM_LIMIT,
+                    pass_fds=pass_fds,
+                )
+            finally:
+                stderr.close()
+        except (OSError, ValueError) as exc:  # ValueError: _idmap.publish_binds met a new option
+            for fd in (info_r, block_w, *pass_fds):
+                if fd >= 0:
+                    os.close(fd)
+            self._cleanup_state(sid, state)
+            raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
+        for fd in pass_fds:
+            os.close(fd)
+        sandbox = LocalSandbox(sid, img, proc, state, upper)
+        if oci:
+            sandbox.lowers = lowers
+            if (view / img.repo_dir.lstrip("/") / ".git").is_dir():
+                sandbox._lower = str(view / img.repo_dir.lstrip("/"))
+                sandbox._image_in_sandbox = _oci.IMAGE_IN_SANDBOX
+        self._live[sid] = sandbox
+        try:
+            try:
+                await _oci.map_ids(info_r, block_w, self.start_timeout)
+            finally:
+                os.close(info_r)
+                os.close(block_w)
+            await sandbox._wait_ready(self.start_timeout)
+            if self.service is not None:
+                await start_service(sandbox, self.service, svc)
+        except BaseException:
+            await self.delete(sandbox)
+            raise
+        return sandbox
+
+    async def delete(self, sandbox: Sandbox) -> None:
+        """Kill the sandbox's whole process tree, unmount its overlay, remove its state."""
+        assert isinstance(sandbox, LocalSandbox)
+        self._live.pop(sandbox.id, None)
+        sandbox.host_killed = True
+        proc = sandbox._proc
+        if proc.returncode is None:
+            try:
+                proc.kill()  # bubblewrap's init gets SIGKILL with it (--die-with-parent)
+            except ProcessLookupError:
+                pass
+        if proc.stdin is not None:
+            proc.stdin.close()
+        await proc.wait()
+        if self._cgroups is not None:
+            deadline = time.monotonic() + 5.0
+            while self._cgroups.kill(sandbox.id) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            self._cgroups.remove(sandbox.id)
+        _unmount_sandbox(self.run_id, sandbox.id, sandbox.state_dir)
+        await _offload(shutil.rmtree, sandbox.state_dir, True)
+        await sandbox._reader
+
+    def _cleanup_state(self, sid: str, state: Path) -> None:
+        if self._cgroups is not None:
+            self._cgroups.kill_and_remove(sid)
+        _unmount_sandbox(self.run_id, sid, state)
+        shutil.rmtree(state, ignore_errors=True)
+
+    def kill(self, sandbox: LocalSandbox) -> None:
+        """SIGKILL the sandbox's process tree without cleaning up, as an OOM kill or a crash
+        would from outside; the pool then finds it dead (``SandboxDied``, infra). Used by
+        fault tests and the fault matrix. bubblewrap goes first, so its exit status says the
+        kill came from the host."""
+        sandbox.host_killed = True
+        try:
+            os.kill(sandbox.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        if self._cgroups is not None:
+            for pid in self._cgroups.pids(sandbox.id):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+
+    async def freeze(self, sandbox: LocalSandbox, frozen: bool = True) -> None:
+        """SIGSTOP (``frozen``) or SIGCONT every process of the sandbox: a pause that keeps its
+        memory and state; commands sent while frozen wait until it is thawed. Freezing returns
+        once every process is stopped (a few milliseconds; at most 5 s)."""
+        sig = signal.SIGSTOP if frozen else signal.SIGCONT
+        pids = {*(self._cgroups.pids(sandbox.id) if self._cgroups is not None else []), sandbox.pid}
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        while frozen and time.monotonic() < deadline and any(_running(p) for p in pids):
+            await asyncio.sleep(0.005)
+
+    async def aclose(self) -> None:
+        """Delete every live sandbox, this run's cgroups and state directory."""
+        await asyncio.gather(*(self.delete(sb) for sb in list(self._live.values())))
+        if self._cgroups is not None:
+            self._cgroups.remove_parent()
+        _oci.release_host(_oci.public_dir(self.run_id))
+        await _offload(shutil.rmtree, self._run_dir, True)
+
+
+def _unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
+    # The overlay first (it sits on the quota filesystem), then the quota filesystem.
+    _umount(state / "merged")
+    root = _oci.public_dir(run_id) / sid
+    _umount(root / "root")
+    if _idmap.unpublish(root):  # never recursively through a bind still mounted
+        shutil.rmtree(root, ignore_errors=True)
+    _quota.detach(state / "disk", state / "disk.img")
+
+
+async def _offload_ret(fn, *args):  # type: ignore[no-untyped-def]
+    return await asyncio.to_thread(fn, *args)
+
+
+async def _offload(fn, *args) -> None:  # type: ignore[no-untyped-def]
+    # Blocking file work goes to a thread, off the event loop; at interpreter exit no thread
+    # can start, and it runs inline instead so cleanup still happens.
+    try:
+        await asyncio.to_thread(fn, *args)
+    except RuntimeError:
+        fn(*args)
+
+
+def _running(pid: int) -> bool:
+    # A stopped (T), zombie (Z) or vanished process is not running.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in (b"T", b"t", b"Z", b"X")
+
+
+def reap_stale(state_base: Path) -> list[str]:
+    """Remove what dead runs left behind: overlay mounts, cgroups and state directories.
+
+    A run is dead when the pid in its ``owner.pid`` no longer exists (a kill -9 of the
+    runner). Returns the run ids reaped.
+    """
+    reaped = []
+    if not state_base.is_dir():
+        return reaped
+    for run in state_base.iterdir():
+        try:
+            owner = int((run / "owner.pid").read_text())
+        except (OSError, ValueError):
+            owner = -1
+        if owner > 0 and Path(f"/proc/{owner}").exists():
+            continue
+        driver = _cgroup.detect(f"sandpool/{run.name}")
+        for sb in run.glob("sb-*"):
+            if driver is not None:
+                driver.kill_and_remove(sb.name)
+            _unmount_sandbox(run.name, sb.name, sb)
+        if driver is not None:
+            driver.remove_parent()
+        _oci.release_host(_oci.public_dir(run.name))
+        shutil.rmtree(run, ignore_errors=True)
+        reaped.append(run.name)
+    return reaped
