@@ -15,6 +15,9 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
   sandbox (copy-on-write, not a copy), the image's repo itself read-only at
   ``/opt/sandpool/image`` (the in-place reset's restore source), a private ``/tmp`` and
   ``/dev/shm``, a private mqueue at ``/dev/mqueue``, and nothing else writable;
+* a seccomp filter (``_seccomp``): no kernel keyring is reachable (keys are not namespaced,
+  so one would carry state to the next rollout and to concurrent sandboxes), and no process
+  may set another's resource limits (the agent's included);
 * CPU, memory and pid limits from its own cgroup, joined before bubblewrap starts; its
   commands run one level down (``_cgroup``), so a fork or memory bomb cannot starve the agent;
 * a disk quota (``ResourceLimits.disk_bytes``): the overlay's upper layer and ``/tmp`` live on
@@ -39,7 +42,7 @@ The package: :mod:`.backend` (:class:`LocalBackend`: images, the start sequence,
 :mod:`.sandbox` (:class:`LocalSandbox`: the agent's channel, in-place restore),
 :mod:`._bwrap` (the bubblewrap argv and what a sandbox sees where), :mod:`.service`
 (:class:`ServiceSpec` and its start), :mod:`.image` (image directories), and the host-side
-helpers ``_oci``, ``_idmap``, ``_overlay``, ``_quota`` and ``_cgroup``.
+helpers ``_oci``, ``_idmap``, ``_overlay``, ``_quota``, ``_cgroup`` and ``_seccomp``.
 """
 
 from sandpool.core.backends.local._bwrap import SERVICE_DIR

@@ -194,7 +194,7 @@ def release_host(pub: Path) -> None:
 
 
 def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path,
-               block_fd: int, info_fd: int, work_procs: Sequence[str] = (),
+               block_fd: int, info_fd: int, seccomp_fd: int, work_procs: Sequence[str] = (),
                view: Path | None = None) -> list[str]:
     """The bubblewrap command line of one OCI sandbox (see the module docstring)."""
     _, py_argv = host_python()
@@ -210,6 +210,7 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         bwrap,
         "--unshare-all", "--unshare-user",
         "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
+        "--seccomp", str(seccomp_fd),  # _seccomp: no keyrings, no limits set on others
         *(["--share-net"] if limits.network else []),
         "--die-with-parent", "--new-session",
         "--assert-userns-disabled",  # the host disabled them (_idmap.disable_nested_userns)

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from sandpool.core import errors
-from sandpool.core.backends.local import _cgroup, _idmap, _oci, _quota
+from sandpool.core.backends.local import _cgroup, _idmap, _oci, _quota, _seccomp
 from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, write_etc
 from sandpool.core.backends.local.image import LocalImage, image_dir
 from sandpool.core.backends.local.sandbox import LocalSandbox
@@ -110,6 +110,7 @@ class LocalBackend(Backend):
                 "no writable cgroup hierarchy (v1 pids+memory+cpu or v2) for sandbox limits; "
                 "fix the cgroup mount or pass require_limits=False to run without limits"
             )
+        _seccomp.program()  # an architecture without a filter table is refused here
         reap_stale(self._state_base)
         self._run_dir.mkdir(parents=True, exist_ok=True)
         (self._run_dir / "owner.pid").write_text(str(os.getpid()))
@@ -210,6 +211,8 @@ class LocalBackend(Backend):
             pass_fds.append(info_w)
             block_r, block_w = os.pipe()
             pass_fds.append(block_r)
+            seccomp_r = _seccomp.program_fd()  # no keyrings, no limits set on other processes
+            pass_fds.append(seccomp_r)
             if oci:
                 pub = _oci.prepare_host(self.run_id, AGENT)
                 root = pub / sid / "root"
@@ -218,8 +221,8 @@ class LocalBackend(Backend):
                 mount_overlay(lowers, upper, work, root)
                 view = _oci.image_view(pub, self.store, img)
                 argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
-                                       block_fd=block_r, info_fd=info_w, work_procs=work_procs,
-                                       view=view)
+                                       block_fd=block_r, info_fd=info_w, seccomp_fd=seccomp_r,
+                                       work_procs=work_procs, view=view)
             else:
                 merged = state / "merged"
                 merged.mkdir()
@@ -239,7 +242,7 @@ class LocalBackend(Backend):
                                                        work_procs, self.service, svc)[1:],
                                             _oci.public_dir(self.run_id) / sid)
                 argv = [*_idmap.as_host_id(_idmap.HOST_UID), self.bwrap, "--userns-block-fd", str(block_r),
-                        "--info-fd", str(info_w), *argv]
+                        "--info-fd", str(info_w), "--seccomp", str(seccomp_r), *argv]
             stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
             try:
                 proc = await asyncio.create_subprocess_exec(
