@@ -163,12 +163,10 @@ async def test_the_service_output_is_kept_on_the_host_out_of_the_sandbox(statefu
 
 
 @pytest.mark.parametrize("change", [
-    "prlimit --pid $(pgrep -x sleep) --fsize=1024:1024",   # its children could not write files
-    "prlimit --pid $(pgrep -x sleep) --nofile=16:16",
     "renice -n 19 -p $(pgrep -x sleep)",
     "taskset -p 1 $(pgrep -x sleep)",
 ])
-async def test_reset_quarantines_a_sandbox_whose_service_limits_or_priority_were_changed(
+async def test_reset_quarantines_a_sandbox_whose_service_priority_or_affinity_was_changed(
         stateful_backend, calc_commits, change):
     sb = await stateful_backend.create(CALC_IMAGE)
     res = await sb.exec(change)
@@ -176,3 +174,15 @@ async def test_reset_quarantines_a_sandbox_whose_service_limits_or_priority_were
     outcome = await reset_in_place(sb, calc_commits["buggy"])
     assert not outcome.ok
     assert any("resource limits" in p for p in outcome.problems), outcome.problems
+
+
+@pytest.mark.parametrize("change", [
+    "prlimit --pid $(pgrep -x sleep) --fsize=1024:1024",   # its children could not write files
+    "prlimit --pid $(pgrep -x sleep) --nofile=16:16",
+])
+async def test_the_policy_cannot_change_the_services_limits(stateful_backend, calc_commits, change):
+    sb = await stateful_backend.create(CALC_IMAGE)
+    res = await sb.exec(change)
+    assert not res.ok and "Operation not permitted" in res.err_text, res  # the seccomp filter
+    outcome = await reset_in_place(sb, calc_commits["buggy"])
+    assert outcome.ok, outcome.problems
