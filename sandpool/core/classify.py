@@ -10,7 +10,8 @@ error                                              verdict     the rollout / tas
 ``TaskError`` (the policy's error, its command's   ``POLICY``  ``task_failed``, scored
 timeout, ``SandboxFileError``: EACCES, EROFS,
 EISDIR, ENOENT, ENOSPC on the policy's path;
-``SandboxExhausted``: a fork or memory bomb)
+``SandboxExhausted``: the sandbox's budget spent,
+shown by its cgroup's OOM or pid events)
 ``InfraError`` (start failure, death, transport,   ``INFRA``   retried, then
 checkout/reset/claim timeout, API errors),                     ``infra_failed``, never scored
 ``TimeoutError``, and any error sandpool does not

@@ -21,7 +21,8 @@ SandpoolError
 │   │                           exit status, counts): scored not resolved, evidence kept
 │   ├── SandboxFileError        a file operation failed on the policy's path (errno: EACCES, EROFS, ...)
 │   │   └── DiskQuotaExceeded   ENOSPC/EDQUOT: the policy filled its sandbox's disk quota
-│   └── SandboxExhausted        the policy's processes killed or starved the sandbox (fork bomb, kill)
+│   └── SandboxExhausted        the policy's processes exhausted the sandbox's own budget, shown by
+│                               its cgroup's OOM or pid events (a death without them is SandboxDied)
 └── FatalError                  give up: the environment cannot run sandboxes at all
     ├── BackendUnavailable      bubblewrap missing, CRDs missing, RBAC denied, ...
     └── PoolClosed              use of a pool (or lease) after close
@@ -85,7 +86,9 @@ class SandboxStartError(InfraError):
 
 
 class SandboxDied(InfraError):
-    """A sandbox died while leased (killed, OOM-killed, evicted, or its pod deleted)."""
+    """A sandbox died while leased (killed, OOM-killed, evicted, or its pod deleted) with no
+    evidence that its own processes caused it: infra, whatever killed it (the host's OOM
+    killer, an operator, the node). See :class:`SandboxExhausted` for the other case."""
 
     kind = "sandbox_died"
 
@@ -274,9 +277,11 @@ def sandbox_file_error(code: int, path: str, detail: str | None = None) -> Sandb
 
 
 class SandboxExhausted(TaskError):
-    """The policy's own processes killed the sandbox's agent or starved it of processes or
-    memory (a fork bomb, a memory bomb, ``kill -9`` of everything): the policy's failure,
-    scored. The sandbox is deleted, not reused."""
+    """The sandbox's agent died or was refused a thread, and the kernel counted the budget it
+    lives in exhausted by the sandbox's own processes (a memory-cgroup OOM or a refused fork in
+    its group): the policy's failure, scored. Decided by that evidence, never by how the agent
+    died: the policy cannot signal it, so a death without the evidence is
+    :class:`SandboxDied`. The sandbox is deleted, not reused."""
 
     kind = "sandbox_exhausted"
 

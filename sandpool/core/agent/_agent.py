@@ -28,6 +28,9 @@ Ops:
     service     {argv, env, cwd, log?} -> {pid}: start a long-lived service process (its own
                 session, in the work cgroup, output to ``log``, else to the agent's stderr)
                 that ``ps`` and ``kill_strays`` leave alone
+
+Any op may answer ``{error: "exhausted", message}``: the kernel refused the agent a thread
+(the sandbox's pid budget is spent); the host reads its cgroup to say whose that is.
 """
 
 import base64
@@ -74,8 +77,7 @@ class _Capture:
         os.set_blocking(self._fd, False)
         self._lock = threading.Lock()
         self._eof = False
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
+        self.thread = _thread(self._run)
 
     def _take(self, limit):
         """Read up to ``limit`` bytes the pipe holds now (the caller holds the lock)."""
@@ -528,10 +530,25 @@ _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps":
         "kill_strays": _kill_strays, "restore": _restore, "service": _service}
 
 
+class _Exhausted(Exception):
+    """The kernel refused the agent a thread: answered ``exhausted``, never a crash."""
+
+
+def _thread(target, *args):
+    t = threading.Thread(target=target, args=args, daemon=True)
+    try:
+        t.start()
+    except RuntimeError as exc:  # "can't start new thread": no pid left in the sandbox's budget
+        raise _Exhausted(str(exc)) from None
+    return t
+
+
 def _serve(req):
     rid = req.get("id")
     try:
         body = _OPS[req["op"]](req)
+    except _Exhausted as exc:
+        body = {"error": "exhausted", "message": str(exc)}
     except Exception as exc:  # report every failure to the host; the agent stays up
         body = {"error": "agent_exception", "message": f"{type(exc).__name__}: {exc}"}
     body["id"] = rid
@@ -587,7 +604,11 @@ def main():
         except json.JSONDecodeError:
             _send({"id": None, "error": "bad_request"})
             continue
-        threading.Thread(target=_serve, args=(req,), daemon=True).start()
+        try:
+            _thread(_serve, req)
+        except _Exhausted as exc:
+            _send({"id": req.get("id") if isinstance(req, dict) else None, "error": "exhausted",
+                   "message": str(exc)})
 
 
 if __name__ == "__main__":

@@ -150,7 +150,7 @@ class AgentClient:
         finally:
             self._pending.pop(rid, None)
             _retrieve(fut)
-        if msg.get("error") == "agent_exception":
+        if msg.get("error") in ("agent_exception", "exhausted"):
             raise errors.ExecTransportError(
                 f"sandbox {self.name}: agent failed {op!r}: {msg['message']}"
             )

@@ -20,6 +20,8 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
   may set another's resource limits (the agent's included);
 * CPU, memory and pid limits from its own cgroup, joined before bubblewrap starts; its
   commands run one level down (``_cgroup``), so a fork or memory bomb cannot starve the agent;
+  an agent's death is the policy's (``SandboxExhausted``) only when the kernel counted that
+  group's own budget spent (``_cgroup.BudgetWatch``), else infra (``SandboxDied``);
 * a disk quota (``ResourceLimits.disk_bytes``): the overlay's upper layer and ``/tmp`` live on
   a per-sandbox loop-mounted filesystem of that size (``_quota``), so a rollout that writes too
   much gets ENOSPC inside its sandbox (``write_file`` raises :class:`DiskQuotaExceeded`) and

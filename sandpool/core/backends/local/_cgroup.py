@@ -8,6 +8,14 @@ limits; the sandbox's own group allows a little more (:data:`AGENT_PIDS`,
 the agent's: the agent still answers, kills the bomb and resets the sandbox. When no cgroup hierarchy is
 writable (an unprivileged user, a locked-down container), :func:`detect` returns ``None`` and
 the backend refuses to start unless limits were explicitly waived.
+
+Whose a sandbox's death is, is read here too (:class:`BudgetWatch`): the agent cannot be
+signalled from inside, so it dies of the policy's doing only when the budget it lives in ran
+out, and the kernel counts exactly that in the sandbox's own group (on v1 the agent's group,
+above ``work``): a memory-cgroup OOM of that group (an eventfd on ``memory.oom_control``; a
+global OOM kill by the host does not signal it) or a fork refused there (``pids.events``; a
+fork refused in ``work`` is counted in ``work``). Either is evidence; without one, the death
+came from outside (the host's OOM killer, an operator, the node): infra.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandpool.core.base import ResourceLimits
@@ -135,6 +143,101 @@ class CgroupDriver:
                 p.rmdir()
             except OSError:
                 pass
+
+
+    def watch(self, name: str) -> BudgetWatch:
+        """Start counting what exhausts group ``name`` itself (see :class:`BudgetWatch`).
+
+        Raises:
+            OSError: The eventfd could not be registered (v1).
+        """
+        return BudgetWatch.open(self, name)
+
+
+@dataclass
+class BudgetWatch:
+    """Evidence that a sandbox's own processes exhausted the budget its agent lives in.
+
+    Made by :meth:`CgroupDriver.watch` when the sandbox's group is created, read when its
+    agent dies or reports a resource it could not get (:meth:`evidence`), closed with the
+    sandbox (:meth:`close`). On cgroup v1 the group is the agent's: the policy's commands run
+    in ``work`` below it with a smaller budget, so their own OOM kills and refused forks
+    (counted in ``work``) are never evidence; only the group's limit, reached by everything in
+    it together, is. On v2 commands share the group, and any OOM or refused fork in it counts.
+
+    Attributes:
+        driver: The driver the group belongs to.
+        name: The sandbox's group.
+        oom_fd: v1: an eventfd the kernel signals at each memory-cgroup OOM of the group itself
+            (``cgroup.event_control`` on ``memory.oom_control``), -1 once closed or on v2.
+    """
+
+    driver: CgroupDriver
+    name: str
+    oom_fd: int = -1
+    _ooms: int = field(default=0, repr=False)
+
+    @classmethod
+    def open(cls, driver: CgroupDriver, name: str) -> BudgetWatch:
+        watch = cls(driver, name)
+        if driver.version != 1:
+            return watch
+        mem = _ROOT / "memory" / driver.parent / name
+        watch.oom_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        try:
+            ctl = os.open(mem / "memory.oom_control", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                (mem / "cgroup.event_control").write_text(f"{watch.oom_fd} {ctl}")
+            finally:
+                os.close(ctl)  # the registration holds its own reference
+        except OSError:
+            watch.close()
+            raise
+        return watch
+
+    def evidence(self) -> list[str]:
+        """What the kernel counted against the group's own limits, one sentence each (empty:
+        nothing; then a death came from outside the sandbox). Never raises: a group already
+        removed reads as nothing counted."""
+        found = []
+        if self.driver.version == 1:
+            if self.oom_fd >= 0:
+                try:
+                    self._ooms += os.eventfd_read(self.oom_fd)
+                except (BlockingIOError, OSError):
+                    pass
+            if self._ooms:
+                found.append(f"its memory limit was reached and the kernel's OOM killer ran in the "
+                             f"group of its agent ({self._ooms} time(s))")
+            refused = _count(_ROOT / "pids" / self.driver.parent / self.name / "pids.events", "max")
+        else:
+            group = _ROOT / self.driver.parent / self.name
+            ooms = _count(group / "memory.events", "oom")
+            if ooms:
+                found.append(f"its memory limit was reached and the kernel's OOM killer ran ({ooms} "
+                             "time(s))")
+            refused = _count(group / "pids.events", "max")
+        if refused:
+            found.append(f"its pid limit was reached: {refused} fork(s) refused in the group of its "
+                         "agent")
+        return found
+
+    def close(self) -> None:
+        """Release the eventfd; idempotent."""
+        if self.oom_fd >= 0:
+            os.close(self.oom_fd)
+            self.oom_fd = -1
+
+
+def _count(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == key:
+                return int(v)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def detect(parent: str) -> CgroupDriver | None:

@@ -187,6 +187,7 @@ class LocalBackend(Backend):
             img = img.model_copy(update={"repo": str(await _offload_ret(_idmap.shifted_repo, img.repo))})
         pass_fds: list[int] = []  # the child's ends, closed once it is spawned
         info_r = block_w = -1
+        budget = None
         try:
             state.mkdir(parents=True)
             upper, work, tmp = state / "upper", state / "work", None
@@ -202,6 +203,7 @@ class LocalBackend(Backend):
                 if oci:
                     os.chown(upper, ID_BASE, ID_BASE)
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
+            budget = self._cgroups.watch(sid) if self._cgroups else None  # whose a death is
             work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
             # The agent (host uid ID_BASE + its uid inside) moves its commands there.
             agent_id = (ID_BASE + img.uid, ID_BASE + img.gid) if oci else (_idmap.HOST_UID,) * 2
@@ -263,11 +265,14 @@ class LocalBackend(Backend):
             for fd in (info_r, block_w, *pass_fds):
                 if fd >= 0:
                     os.close(fd)
+            if budget is not None:
+                budget.close()
             self._cleanup_state(sid, state)
             raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
         for fd in pass_fds:
             os.close(fd)
         sandbox = LocalSandbox(sid, img, proc, state, upper)
+        sandbox.budget = budget
         if oci:
             sandbox.lowers = lowers
             if (view / img.repo_dir.lstrip("/") / ".git").is_dir():
@@ -310,6 +315,8 @@ class LocalBackend(Backend):
         _unmount_sandbox(self.run_id, sandbox.id, sandbox.state_dir)
         await _offload(shutil.rmtree, sandbox.state_dir, True)
         await sandbox._reader
+        if sandbox.budget is not None:
+            sandbox.budget.close()
 
     def _cleanup_state(self, sid: str, state: Path) -> None:
         if self._cgroups is not None:

@@ -16,6 +16,7 @@ from sandpool.core.agent.client import TRANSPORT_GRACE_S, exec_result
 from sandpool.core.backends._service import RunningService, proc_argv, running_problems, tree, tree_diff
 from sandpool.core.backends.local import _oci, _overlay
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
+from sandpool.core.backends.local._cgroup import BudgetWatch
 from sandpool.core.backends.local.image import LocalImage
 from sandpool.core.base import ExecResult, Sandbox
 from sandpool.core.images import OciImage
@@ -63,6 +64,8 @@ class LocalSandbox(Sandbox):
         self._dead: str | None = None
         self._death: errors.SandpoolError | None = None
         self.host_killed = False  # set by the backend before it kills the process tree
+        #: The kernel's count of what exhausted the sandbox's own budget: whose a death is.
+        self.budget: BudgetWatch | None = None
         self._ready: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self._ready.add_done_callback(_retrieve)
         self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-reader-{sid}")
@@ -105,16 +108,20 @@ class LocalSandbox(Sandbox):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._proc.wait(), 2.0)
         rc = self._proc.returncode
+        if rc is not None and rc > 128:  # bubblewrap outlived its agent: the signal that killed it
+            reason = f"its agent was killed by signal {rc - 128}"
+        # The policy cannot signal the agent (its pid 1), so the death is the policy's only
+        # when the kernel counted its sandbox's own budget exhausted; else it came from
+        # outside (the host's OOM killer, an operator, the node), and the host's own kills
+        # (delete, kill) are never the policy's.
+        evidence = [] if self.host_killed or self.budget is None else self.budget.evidence()
         err: errors.SandpoolError
-        if rc is not None and rc > 128 and not self.host_killed and self._ready.done():
-            # bubblewrap outlived its agent and reports the signal that killed it: only a
-            # process inside the sandbox (or the sandbox's own OOM) sends that. The host's
-            # kills take bubblewrap first (a negative return code).
-            reason = (f"its agent was killed by signal {rc - 128} from inside the sandbox (the "
-                      "policy's processes killed it or exhausted its memory)")
-            err = errors.SandboxExhausted(f"sandbox {self.id}: {reason}")
+        if evidence and self._ready.done():
+            err = errors.SandboxExhausted(f"sandbox {self.id}: {reason}, and {'; '.join(evidence)}")
         else:
-            err = errors.SandboxDied(f"sandbox {self.id}: {reason}")
+            err = errors.SandboxDied(f"sandbox {self.id}: {reason}"
+                                     + ("" if self.host_killed else " (no OOM or pid-limit event in "
+                                        "its cgroup: not its processes' doing)"))
         self._dead = reason
         self._death = err
         if not self._ready.done():
@@ -162,7 +169,12 @@ class LocalSandbox(Sandbox):
         finally:
             self._pending.pop(rid, None)
             _retrieve(fut)  # the reader may have failed it while we were raising something else
-        if msg.get("error") == "agent_exception":
+        if msg.get("error") == "exhausted":  # the kernel refused the agent a thread
+            evidence = self.budget.evidence() if self.budget is not None else []
+            if evidence:
+                raise errors.SandboxExhausted(f"sandbox {self.id}: its agent could not serve {op!r} "
+                                              f"({msg['message']}): {'; '.join(evidence)}")
+        if msg.get("error") in ("agent_exception", "exhausted"):
             raise errors.ExecTransportError(f"sandbox {self.id}: agent failed {op!r}: {msg['message']}")
         return msg
 
