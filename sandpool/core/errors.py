@@ -19,6 +19,8 @@ SandpoolError
 ├── TaskError                   the policy's own failure: the rollout ends `task_failed`
 │   ├── TamperingSuspected      grading's verdict sources disagree (structured report, log,
 │   │                           exit status, counts): scored not resolved, evidence kept
+│   ├── PatchRefused            the policy's change cannot be graded as a patch (over the size
+│   │                           cap, refused by the patch policy): scored 0, reason kept
 │   ├── SandboxFileError        a file operation failed on the policy's path (errno: EACCES, EROFS, ...)
 │   │   └── DiskQuotaExceeded   ENOSPC/EDQUOT: the policy filled its sandbox's disk quota
 │   └── SandboxExhausted        the policy's processes exhausted the sandbox's own budget, shown by
@@ -48,6 +50,7 @@ __all__ = [
     "ExecTransportError",
     "FatalError",
     "ImageNotFound",
+    "PatchRefused",
     "InfraError",
     "InfraTimeout",
     "InputError",
@@ -207,6 +210,14 @@ class TamperingSuspected(TaskError):
     def __init__(self, message: str, *, evidence: tuple[str, ...] = ()) -> None:
         super().__init__(message if not evidence else f"{message}: " + "; ".join(evidence))
         self.evidence = evidence
+
+
+class PatchRefused(TaskError):
+    """The policy's change to the repo cannot be graded as a patch: it is over the size cap,
+    its tree cannot be diffed against the base commit, or the patch policy refuses it
+    (:mod:`sandpool.envs.grading.policy`). The policy's failure: scored 0, reason kept."""
+
+    kind = "patch_policy"
 
 
 class SandboxFileError(TaskError, OSError):

@@ -248,6 +248,8 @@ class GradeResult:
             its code wrote a test log over the capture cap);
             scored 0. A cause in the task itself raises instead (see :func:`grade`).
         tampering: Evidence that the policy's code forged a pass (scored 0), one sentence each.
+        refused: Why the patch policy refused the policy's patch (scored 0), one sentence per
+            file (:mod:`sandpool.envs.grading.policy`).
         neutralised: Test configuration restored or removed, and startup files deleted, before
             the tests ran.
         harness: Which harness graded (see :mod:`sandpool.envs.grading.harness`).
@@ -267,6 +269,7 @@ class GradeResult:
     timed_out: bool = False
     error: str | None = None
     tampering: tuple[str, ...] = ()
+    refused: tuple[str, ...] = ()
     neutralised: tuple[str, ...] = ()
     harness: str = ""
     exit_code: int | None = None

@@ -1,22 +1,23 @@
 """pytest plugin the grader loads inside the sandbox: a signed per-test report.
 
-This file is not imported by sandpool. The grader copies it into a fresh directory under
-``/tmp`` with a random module name, and loads it with ``PYTEST_ADDOPTS=-p <name>`` so pytest
-imports it before any conftest.py or the code under test. It must run on every Python and
-pytest a SWE image may carry (Python >= 3.6, pytest >= 3), so it uses no newer syntax.
+This file is not imported by sandpool. It must run on every Python and pytest a SWE image may
+carry (Python >= 3.6, pytest >= 3), so it uses no newer syntax. It is loaded one of two ways:
 
-At import it takes ``SANDPOOL_VERDICT`` (``<key file>:<report file>``) out of the environment,
-reads the per-run secret key from the key file and unlinks it, keeps the key only inside an
-HMAC object, and opens the report file (it must not exist yet). Each event is one JSON line;
-the closing line carries the HMAC-SHA256 of every byte before it. Code under test that only
-prints text, exits early (``os._exit``) or writes a report of its own cannot produce a closing
-line that verifies. Code that deliberately walks the interpreter's objects to reach the HMAC
-state could; the integrity check below (pytest's own test-running and report machinery
-unchanged at the end of the session, and no hook implementation on the hooks that run a test
-and make its report added after collection began, except by a conftest.py) and the grader's
-cross-checks against the log and the exit status remain. Its limit: code under test that
-edits a test's function object or pytest's private state in a way not listed here is not
-caught.
+* by the isolated runner (``runner.py``), which imports it before anything from the repo and
+  hands it the per-run key and the report path with :func:`arm`;
+* by ``PYTEST_ADDOPTS=-p <name>`` (grading in place): at import it takes ``SANDPOOL_VERDICT``
+  (``<key file>:<report file>``) out of the environment, reads the key file and unlinks it.
+
+Either way the key is kept only inside an HMAC object and the report file is opened (it must
+not exist yet). Each event is one JSON line; the closing line carries the HMAC-SHA256 of
+every byte before it. Code under test that only prints text, exits early (``os._exit``) or
+writes a report of its own cannot produce a closing line that verifies. Code that
+deliberately walks the interpreter's objects to reach the HMAC state could; the integrity
+check below (pytest's own test-running, report and assertion-rewriting machinery unchanged at
+the end of the session, and no hook implementation on the hooks that run a test and make its
+report added after collection began, except by a conftest.py) and the grader's cross-checks
+against the log and the exit status remain. Its limit: code under test that edits a test's
+function object or pytest's private state in a way not listed here is not caught.
 """
 
 import hashlib
@@ -24,6 +25,12 @@ import hmac
 import json
 import os
 import sys
+
+
+def _state(key, report_path):
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    fd = os.open(report_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
+    return [mac, fd, None]  # None: the Config this report belongs to, set at configure
 
 
 def _open():
@@ -34,17 +41,21 @@ def _open():
     with open(key_path, "rb") as f:
         key = f.read()
     os.unlink(key_path)
-    mac = hmac.new(key, digestmod=hashlib.sha256)
-    del key
-    fd = os.open(report_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o600)
-    return [mac, fd, None]  # None: the Config this report belongs to, set at configure
+    return _state(key, report_path)
 
 
 _STATE = _open()
 
 
+def arm(key, report_path):
+    """Start the report at ``report_path`` under ``key`` (the isolated runner's way in)."""
+    global _STATE
+    _STATE = _state(key, report_path)
+
+
 _MACHINERY = ("_pytest.python", "_pytest.runner", "_pytest.reports", "_pytest.main",
-              "_pytest.nodes", "_pytest.fixtures", "_pytest.outcomes", "_pytest.unittest")
+              "_pytest.nodes", "_pytest.fixtures", "_pytest.outcomes", "_pytest.unittest",
+              "_pytest.assertion.rewrite")
 
 
 def _watched():
@@ -70,6 +81,12 @@ def _watched():
 
 
 _WATCHED = _watched()
+
+
+def snapshot():
+    """Take pytest's machinery as it is now as the reference (after the runner's own changes)."""
+    global _WATCHED
+    _WATCHED = _watched()
 
 
 #: Hooks through which a test is run and its outcome made; a plugin that the code under test

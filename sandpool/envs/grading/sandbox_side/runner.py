@@ -1,0 +1,132 @@
+"""The isolated pytest process: ``python -s -S runner.py job.json [--probe]``.
+
+This file is not imported by sandpool; the grader copies it into a private directory of the
+sandbox and starts it with a clean environment (no ``PYTHON*`` variable but the grader's own,
+see :mod:`sandpool.envs.grading.diff`). It must run on every Python a SWE image may carry
+(>= 3.6): no newer syntax, standard library only.
+
+Nothing from the repo is imported before the verdict machinery:
+
+* ``-S``: ``site`` does not run at start-up, so no ``.pth`` line and no ``sitecustomize``
+  (which a ``.pth`` that puts the repo on ``sys.path`` would find in the repo) runs. The
+  environment's site directories are then added here, as ``site.main()`` adds them, and the
+  image's own ``sitecustomize`` is imported from outside the repo only; ``-s``: no user site;
+* with every path in the repo off ``sys.path``, pytest, pluggy, pytest's dependencies and
+  the verdict plugin are imported, the per-run key is read from its file and the file
+  unlinked (the key is in no environment, argument or file the code under test can read),
+  and the report file is opened;
+* no bytecode is read or written anywhere: ``sys.pycache_prefix`` (and the
+  ``PYTHONPYCACHEPREFIX`` children inherit) is a path that cannot exist, and pytest's
+  assertion-rewrite cache is never read;
+* only then is ``sys.path`` completed: the interpreter's own paths and the site directories
+  first, then the harness's ``PYTHONPATH``, then the paths in the repo (a ``.pth``'s), then
+  the workdir itself when the harness runs ``python -m pytest``. A module the repo adds
+  cannot shadow an installed one.
+
+``--probe`` stops after the imports and exits 0: proof that the image can run the harness,
+taken before any of the repo's code ran. Exit status 3 means pytest could not be imported
+(the image is broken); otherwise the exit status is pytest's.
+
+The job (JSON): ``workdir``, ``args`` (pytest's arguments), ``cwd_on_path`` (bool), ``key``
+(the key file), ``report`` (the report file), ``plugin`` (the verdict plugin's module name,
+in this directory), ``env_file`` (the harness's environment, NUL-separated: its ``PYTHON*``
+variables are restored in ``os.environ`` for the tests' own child processes, and its
+``PYTHONPATH`` is added to ``sys.path`` as said above), ``assigned`` (``VAR=value`` words
+before the harness's pytest command, treated the same way).
+"""
+
+import importlib
+import json
+import os
+import sys
+
+NO_BYTECODE = "/dev/null/sandpool-no-bytecode"
+
+
+def in_repo(path, workdir):
+    real = os.path.realpath(path or os.getcwd())
+    return real == workdir or real.startswith(workdir + os.sep)
+
+
+def site_paths():
+    # What site.main() adds (venv, site-packages and their .pth lines), without the
+    # sitecustomize/usercustomize imports it ends with.
+    import site
+    known = site.removeduppaths()
+    if hasattr(site, "venv"):
+        known = site.venv(known)
+    site.addsitepackages(known)
+
+
+def harness_python_env(job):
+    """The harness's PYTHON* variables (left out of this process's environment) and the
+    assignments its command line makes, for the tests' own child processes."""
+    out = {}
+    try:
+        with open(job["env_file"], "rb") as f:
+            entries = f.read().split(b"\0")
+    except (KeyError, OSError):
+        entries = []
+    for entry in entries:
+        name, sep, value = entry.decode("utf-8", "surrogateescape").partition("=")
+        if sep and name.startswith("PYTHON"):
+            out[name] = value
+    out.update(job.get("assigned") or {})
+    return out
+
+
+def main(argv):
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(argv[1]) as f:
+        job = json.load(f)
+    probe = "--probe" in argv
+    sys.dont_write_bytecode = True
+    if hasattr(sys, "pycache_prefix"):
+        sys.pycache_prefix = NO_BYTECODE
+    workdir = os.path.realpath(job["workdir"])
+    sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != here]
+    site_paths()
+    outside = [p for p in sys.path if p and not in_repo(p, workdir)]
+    repo = [p for p in sys.path if p and in_repo(p, workdir)]
+    sys.path[:] = [here] + outside
+    try:
+        import sitecustomize  # noqa: F401 - the image's own, never one in the repo
+    except ImportError:
+        pass
+    try:
+        import pytest
+        plugin = importlib.import_module(job["plugin"])
+        from _pytest.assertion import rewrite
+    except ImportError as exc:
+        sys.stderr.write("sandpool: pytest cannot be imported by %s: %s\n" % (sys.executable, exc))
+        return 3
+    if probe:
+        sys.stdout.write("sandpool-probe %s pytest %s\n" % (sys.version.split()[0], pytest.__version__))
+        return 0
+    with open(job["key"], "rb") as f:
+        key = f.read()
+    os.unlink(job["key"])
+    plugin.arm(key, job["report"])
+    del key
+    # pytest reads a cached rewritten module when its mtime and size match the source: a
+    # planted one would replace a test module. Always rewrite from the source instead.
+    if hasattr(rewrite, "_read_pyc"):
+        rewrite._read_pyc = lambda *args, **kwargs: None
+    plugin.snapshot()
+    python_env = harness_python_env(job)
+    extra = [p for p in python_env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = ([p for p in outside if p != here] + [p for p in extra if not in_repo(p, workdir)]
+                   + repo + [p for p in extra if in_repo(p, workdir)]
+                   + ([workdir] if job.get("cwd_on_path") else []))
+    for name, value in python_env.items():
+        os.environ.setdefault(name, value)
+    os.chdir(workdir)
+    sys.argv = [os.path.join(os.path.dirname(pytest.__file__), "__main__.py")] + list(job["args"])
+    return int(pytest.main(list(job["args"]), plugins=[plugin]))
+
+
+if __name__ == "__main__":
+    code = main(sys.argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
