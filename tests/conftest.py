@@ -116,3 +116,41 @@ async def pack_backend():
     await backend.preflight()
     yield backend
     await backend.aclose()
+
+
+# ---------------------------------------------------------------------------------------------
+# OCI test images (sandpool.envs.taskpack.oci): built once per machine and cached, hydrated
+# into a test store.
+# ---------------------------------------------------------------------------------------------
+
+WH_IMAGE = "sandpool.test/wh:1"
+BASE_IMAGE = "sandpool.test/base:1"
+
+
+@pytest.fixture(scope="session")
+def oci_images() -> Path:
+    """The cache directory of the built test images (``layout/``, ``swe-task.json``)."""
+    from sandpool.envs.taskpack.oci import build_test_images
+
+    return build_test_images()
+
+
+@pytest.fixture(scope="session")
+def oci_store(oci_images: Path):
+    """A store holding the three test images, hydrated from the OCI layout."""
+    from sandpool.core.images import ImageStore, hydrate
+    from sandpool.envs.taskpack.oci import SWE_IMAGE
+    from sandpool.envs.taskpack.oci import VERSION as IMAGES_VERSION  # keys the test store
+
+    # Keyed by the images' version: a store hydrated from older test images would not match them.
+    store = ImageStore(sandpool_home() / f"test-oci-store-v{IMAGES_VERSION}")
+    for tag, name in (("base", BASE_IMAGE), ("swe", SWE_IMAGE), ("wh", WH_IMAGE)):
+        if store.resolve(name) is None:
+            hydrate(f"oci:{oci_images / 'layout'}:{tag}", name=name, store=store)
+    return store
+
+
+@pytest.fixture(scope="session")
+def swe_task(oci_images: Path) -> Task:
+    """The SWE-shaped task of the OCI test image."""
+    return Task.model_validate_json((oci_images / "swe-task.json").read_text())

@@ -28,7 +28,6 @@ from sandpool.core import Outcome, PoolLimits, SandboxPool, run_rollout
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.backends.local._seccomp import _ABIS
 from sandpool.core.images import ID_BASE
-from tests.test_oci import oci_images, oci_store, swe_task  # noqa: F401 - fixtures
 
 ADD_KEY, _, KEYCTL = _ABIS[platform.machine()][0].keyring
 SECRET = "GOLD-DIFF-3f9c"

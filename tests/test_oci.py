@@ -23,37 +23,11 @@ from sandpool.core import errors
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ImageStore, hydrate
-from sandpool.core.paths import sandpool_home
 from sandpool.core.reset import record_pristine, reset_in_place
 from sandpool.core.task import Task
-from sandpool.envs.taskpack.oci import SWE_IMAGE, build_test_images
-from sandpool.envs.taskpack.oci import VERSION as IMAGES_VERSION  # keys the test store
+from sandpool.envs.taskpack.oci import SWE_IMAGE
+from tests.conftest import BASE_IMAGE, WH_IMAGE
 from tests.waiting import wait_until
-
-WH_IMAGE = "sandpool.test/wh:1"
-BASE_IMAGE = "sandpool.test/base:1"
-
-
-@pytest.fixture(scope="session")
-def oci_images() -> Path:
-    """The cache directory of the built test images (``layout/``, ``swe-task.json``)."""
-    return build_test_images()
-
-
-@pytest.fixture(scope="session")
-def oci_store(oci_images: Path) -> ImageStore:
-    """A store holding the three test images, hydrated from the OCI layout."""
-    # Keyed by the images' version: a store hydrated from older test images would not match them.
-    store = ImageStore(sandpool_home() / f"test-oci-store-v{IMAGES_VERSION}")
-    for tag, name in (("base", BASE_IMAGE), ("swe", SWE_IMAGE), ("wh", WH_IMAGE)):
-        if store.resolve(name) is None:
-            hydrate(f"oci:{oci_images / 'layout'}:{tag}", name=name, store=store)
-    return store
-
-
-@pytest.fixture(scope="session")
-def swe_task(oci_images: Path) -> Task:
-    return Task.model_validate_json((oci_images / "swe-task.json").read_text())
 
 
 @pytest.fixture

@@ -210,6 +210,24 @@ class Sandbox(abc.ABC):
             paths: Repo-relative file paths.
         """
 
+    async def restore_scratch(self, *, timeout: float = 60.0) -> list[str]:
+        """Make the scratch directories' own metadata what it was when the sandbox was fresh.
+
+        Optional (default: nothing to restore). :attr:`scratch` directories are emptied by the
+        in-place reset, but they themselves are the sandbox's too: their mode, times and
+        extended attributes (POSIX ACLs included) can carry a rollout's state to the next
+        one. A backend that can read and set them from out of the policy's reach records them
+        when the sandbox starts and restores and verifies them here. Call it with no process
+        of the rollout left and the directories emptied.
+
+        Returns:
+            What still differs, one sentence each (empty: as fresh).
+
+        Raises:
+            SandboxDied, ExecTransportError: As for :meth:`exec`.
+        """
+        return []
+
     async def restore_service(self, *, timeout: float = 60.0) -> list[str]:
         """Bring the sandbox's long-lived service (if it runs one) back to its pristine state.
 

@@ -7,7 +7,11 @@ The property (not a list of cleanup steps) that a reset establishes and then ver
   reachable (``git log --all``, ``stash list``, ``reflog``, ``fsck --lost-found``);
 * nothing else the sandbox can write is left changed: its scratch directories
   (:attr:`Sandbox.scratch`: ``/tmp``, and locally ``/dev/shm`` and ``/dev/mqueue``) are empty,
-  and so is its System V IPC namespace where it has its own (:attr:`Sandbox.private_ipc`);
+  and where the backend records them (:meth:`Sandbox.restore_scratch`) their own mode, owner,
+  times and extended attributes (POSIX ACLs included) are as fresh, so not even a directory's
+  timestamp carries a bit to the next rollout; its System V IPC namespace is empty where it
+  has its own (:attr:`Sandbox.private_ipc`); kernel keyrings are out of every local
+  sandbox's reach (its seccomp filter), so none can hold anything;
   where the backend sees the whole filesystem's changes (:meth:`Sandbox.changes_outside_repo`:
   an OCI sandbox's root overlay), a path the rollout
   *added* outside the repo and ``/tmp`` (a ``pip install``, a file under ``/root``) is removed,
@@ -202,6 +206,8 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
         problems.append(f"scratch space not empty: {left.split()[:5]}")
     if ipc.strip():
         problems.append(f"System V IPC objects left: {ipc.strip().splitlines()[:3]}")
+    # Last, once emptied and listed (which moves their times): the directories themselves.
+    problems += await sandbox.restore_scratch(timeout=timeout)
     procs = await sandbox.processes()
     if procs:
         problems.append(f"processes left: {procs[:5]}")

@@ -28,6 +28,14 @@ Ops:
     service     {argv, env, cwd, log?} -> {pid}: start a long-lived service process (its own
                 session, in the work cgroup, output to ``log``, else to the agent's stderr)
                 that ``ps`` and ``kill_strays`` leave alone
+    dirmeta     {paths: [abs, ...], set?: {path: meta}} -> {meta: {path: meta | {error}}}
+                a directory's own metadata, meta = {mode, uid, gid, atime_ns, mtime_ns,
+                xattrs: {name: b64}} (every extended attribute it lists, POSIX ACLs
+                included); with ``set``, first make each path's metadata that (extra xattrs
+                removed, the rest written, then mode, then times; the owner cannot change
+                without privileges and is only read; a directory the agent does not own gets
+                its times refreshed to now, reported as "refreshed", or if it cannot write
+                it either, "unwritable")
 
 Any op may answer ``{error: "exhausted", message}``: the kernel refused the agent a thread
 (the sandbox's pid budget is spent); the host reads its cgroup to say whose that is.
@@ -526,8 +534,77 @@ def _service(req):
     return {"pid": proc.pid}
 
 
+def _dir_meta(fd):
+    st = os.fstat(fd)
+    try:
+        names = os.listxattr(fd)
+    except OSError:  # a filesystem without xattrs (mqueue): none
+        names = []
+    xattrs = {}
+    for n in names:
+        try:
+            xattrs[n] = base64.b64encode(os.getxattr(fd, n)).decode()
+        except OSError:
+            xattrs[n] = None
+    return {"mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid, "gid": st.st_gid,
+            "atime_ns": st.st_atime_ns, "mtime_ns": st.st_mtime_ns, "xattrs": xattrs}
+
+
+def _set_dir_meta(fd, meta):
+    """Make the directory's metadata ``meta``, changing only what differs: what a directory of
+    another owner has (a root-owned ``/tmp`` of a non-root image) the policy could not change
+    either. Returns how its times were restored: "set"; "refreshed" (not its owner: moved to
+    now, so no moment the policy chose survives); "unwritable" (not its owner and not
+    writable: the policy, of the agent's uid, could not move them but by reading it)."""
+    now = _dir_meta(fd)
+    want = {n: base64.b64decode(v) for n, v in meta["xattrs"].items() if v is not None}
+    for n in now["xattrs"]:
+        if n not in want:
+            os.removexattr(fd, n)
+    for n, v in want.items():
+        if now["xattrs"].get(n) != meta["xattrs"][n]:
+            os.setxattr(fd, n, v)
+    if now["mode"] != meta["mode"]:
+        os.chmod(fd, meta["mode"])  # after the ACL, which would rewrite the group bits
+    if os.fstat(fd).st_uid == os.geteuid():
+        os.utime(fd, ns=(meta["atime_ns"], meta["mtime_ns"]))
+        return "set"
+    name = f".sandpool-refresh-{os.getpid()}-{threading.get_ident()}"
+    # An entry made and removed (a file: mqueue's directory takes no mkdir) moves mtime and
+    # ctime to now; reading the directory after moves atime.
+    try:
+        os.close(os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=fd))
+    except PermissionError:
+        return "unwritable"
+    os.unlink(name, dir_fd=fd)
+    os.listdir(fd)
+    return "refreshed"
+
+
+def _dirmeta(req):
+    out = {}
+    for path in req["paths"]:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as exc:
+            out[path] = {"error": str(exc)}
+            continue
+        try:
+            times = "set"
+            if path in (req.get("set") or {}):
+                times = _set_dir_meta(fd, req["set"][path])
+            out[path] = _dir_meta(fd)
+            if times != "set":
+                out[path].update(atime_ns=times, mtime_ns=times)
+        except OSError as exc:
+            out[path] = {"error": str(exc)}
+        finally:
+            os.close(fd)
+    return {"meta": out}
+
+
 _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps": _ps,
-        "kill_strays": _kill_strays, "restore": _restore, "service": _service}
+        "kill_strays": _kill_strays, "restore": _restore, "service": _service, "dirmeta": _dirmeta}
 
 
 class _Exhausted(Exception):

@@ -286,6 +286,7 @@ class LocalBackend(Backend):
                 os.close(info_r)
                 os.close(block_w)
             await sandbox._wait_ready(self.start_timeout)
+            await sandbox.record_scratch(timeout=self.start_timeout)
             if self.service is not None:
                 await start_service(sandbox, self.service, svc)
         except BaseException:

@@ -66,6 +66,7 @@ class LocalSandbox(Sandbox):
         self.host_killed = False  # set by the backend before it kills the process tree
         #: The kernel's count of what exhausted the sandbox's own budget: whose a death is.
         self.budget: BudgetWatch | None = None
+        self._scratch: dict[str, dict] = {}  # scratch dir -> its metadata when fresh
         self._ready: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self._ready.add_done_callback(_retrieve)
         self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-reader-{sid}")
@@ -299,6 +300,36 @@ class LocalSandbox(Sandbox):
             problems = tree_diff(svc.pristine, await asyncio.to_thread(tree, self.service_dir))
         # Again at the end: a fatal signal sent just before the reset may take effect during it.
         return problems or await self._service_running(svc, timeout)
+
+    async def record_scratch(self, *, timeout: float = 30.0) -> None:
+        """Record the scratch directories' own metadata as pristine; the backend calls it once,
+        as soon as the agent is ready (no command of any rollout has run).
+
+        Raises:
+            SandboxStartError: A scratch directory could not be read.
+        """
+        meta = (await self._call("dirmeta", timeout, paths=list(self.scratch)))["meta"]
+        bad = {p: m["error"] for p, m in meta.items() if "error" in m}
+        if bad:
+            raise errors.SandboxStartError(f"sandbox {self.id}: cannot read its scratch directories: {bad}")
+        self._scratch = meta
+
+    async def restore_scratch(self, *, timeout: float = 60.0) -> list[str]:
+        """Set the scratch directories' mode, times and extended attributes back to those
+        recorded fresh (:meth:`record_scratch`), through the agent, and compare what it reads
+        back with the record (the owner too); see :meth:`Sandbox.restore_scratch`."""
+        if not self._scratch:
+            return [f"no pristine record of the scratch directories of sandbox {self.id}"]
+        got = (await self._call("dirmeta", timeout, paths=list(self._scratch), set=self._scratch))["meta"]
+        problems = []
+        for path, want in self._scratch.items():
+            now = got.get(path) or {"error": "not read"}
+            if "error" in now:
+                problems.append(f"scratch directory {path} could not be restored: {now['error']}")
+            elif diff := [f"{k} {now.get(k)!r} (fresh {v!r})" for k, v in want.items()
+                          if now.get(k) not in (v, "refreshed", "unwritable")]:  # see dirmeta
+                problems.append(f"scratch directory {path} is not as fresh: {', '.join(diff)}")
+        return problems
 
     async def service_problems(self, *, timeout: float = 30.0) -> list[str]:
         """Why the sandbox's service is not running as it started (gone, stopped, its limits
