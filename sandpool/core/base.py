@@ -210,23 +210,25 @@ class Sandbox(abc.ABC):
             paths: Repo-relative file paths.
         """
 
-    async def restore_scratch(self, *, timeout: float = 60.0) -> list[str]:
-        """Make the scratch directories' own metadata what it was when the sandbox was fresh.
+    async def restore_scratch(self, *, timeout: float = 60.0) -> list[str] | None:
+        """Empty the :attr:`scratch` directories and make their own metadata what it was when
+        the sandbox was fresh, then verify both.
 
-        Optional (default: nothing to restore). :attr:`scratch` directories are emptied by the
-        in-place reset, but they themselves are the sandbox's too: their mode, times and
-        extended attributes (POSIX ACLs included) can carry a rollout's state to the next
-        one. A backend that can read and set them from out of the policy's reach records them
-        when the sandbox starts and restores and verifies them here. Call it with no process
-        of the rollout left and the directories emptied.
+        Optional: a backend that can do it from out of the policy's reach (the local
+        backend's agent, with a record taken when the sandbox started) implements it; the
+        default returns None and :mod:`sandpool.core.reset` empties the directories with
+        ``find`` and checks they are empty. Not only the contents carry state: a directory's
+        mode, times and extended attributes (POSIX ACLs included) can hand a rollout's state
+        to the next one. Call it with no process of the rollout left.
 
         Returns:
-            What still differs, one sentence each (empty: as fresh).
+            None when unsupported; else what is still not as fresh, one sentence each (empty:
+            as fresh).
 
         Raises:
             SandboxDied, ExecTransportError: As for :meth:`exec`.
         """
-        return []
+        return None
 
     async def restore_service(self, *, timeout: float = 60.0) -> list[str]:
         """Bring the sandbox's long-lived service (if it runs one) back to its pristine state.

@@ -150,8 +150,11 @@ async def restore_git_metadata(sandbox: Sandbox, *, timeout: float = 60.0) -> No
         timeout: Seconds the restore may take.
 
     Raises:
-        ResetError: ``.git`` could not be made identical to the image's; do not grade on
-            this sandbox (it is infra's failure, never a reward of 0).
+        DiskQuotaExceeded: The image's files could not be written back because the rollout
+            filled the sandbox's disk quota (shown by the quota filesystem, read on the host):
+            the policy's failure, scored 0.
+        ResetError: ``.git`` could not be made identical to the image's for any other
+            reason; do not grade on this sandbox (infra's failure, never a reward of 0).
         InfraError: The sandbox could not be reached.
     """
     await sandbox.kill_strays()
@@ -177,37 +180,43 @@ async def reset_in_place(sandbox: Sandbox, commit: str, *, timeout: float = 60.0
     """
     killed = await sandbox.kill_strays()
     problems = await sandbox.restore_service(timeout=timeout)
+    # The scratch space is emptied first, so what the rollout wrote there frees its room before
+    # the repo's files are written back: a disk it filled must not fail the restore. Only the
+    # sandbox's own IPC namespace may be emptied: a kwok pod's exec shares the host's.
+    dirs = " ".join(sandbox.scratch)
+    scratch = await sandbox.restore_scratch(timeout=timeout)  # None: the generic way below
+    clear = ("" if scratch is not None else f"for d in {dirs}; do [ ! -d $d ] ||"
+             f" find $d -mindepth 1 -delete; done;")
+    ipc_clear = " ipcrm --all 2>/dev/null;" if sandbox.private_ipc else ""
+    if clear or ipc_clear:
+        await sandbox.exec(f"{clear}{ipc_clear} true", timeout=timeout)
+    problems += scratch or []
     problems += await _restore(sandbox, "", timeout)
     problems += await _outside_repo(sandbox, timeout)
     if problems:
         return ResetOutcome(False, tuple(problems), killed)
     # The repo is the image's now, config and hooks included: sandpool's own git may run on
-    # it. One command empties the scratch space, checks out the claimed commit, refreshes
-    # the index's stat cache, and lists what is left outside the repo (it must be nothing).
-    dirs = " ".join(sandbox.scratch)
+    # it. One command checks out the claimed commit, refreshes the index's stat cache, and
+    # lists what is left outside the repo (it must be nothing).
     head = commit if commit != sandbox.head else sandbox.head
     git = (f"{SAFE_GIT} checkout -q -f --detach {shlex.quote(commit)} || echo checkout-failed;"
            if commit != sandbox.head else "")
-    # Only the sandbox's own IPC namespace may be emptied: a kwok pod's exec shares the host's.
-    ipc_clear = " ipcrm --all 2>/dev/null;" if sandbox.private_ipc else ""
     ipc_list = (" cat /proc/sysvipc/shm /proc/sysvipc/sem /proc/sysvipc/msg 2>/dev/null"
                 " | grep -v '^ *key';" if sandbox.private_ipc else "")
+    # Listing a directory moves its atime: only where the backend did not restore them.
+    listing = f" for d in {dirs}; do [ ! -d $d ] || ls -A $d; done;" if scratch is None else ""
     res = await sandbox.exec(
-        f"for d in {dirs}; do [ ! -d $d ] || find $d -mindepth 1 -delete; done;{ipc_clear}"
-        f" {git} {SAFE_GIT} update-index -q --refresh; echo {_SEP};"
-        f" for d in {dirs}; do [ ! -d $d ] || ls -A $d; done; echo {_SEP};{ipc_list} true",
+        f"{git} {SAFE_GIT} update-index -q --refresh; echo {_SEP};{listing} echo {_SEP};{ipc_list} true",
         timeout=timeout)
     out, left, ipc = (res.text.split(_SEP + "\n") + ["", ""])[:3]
     if not res.ok or res.text.count(_SEP) != 2:
-        problems.append(f"clearing {dirs} failed (exit {res.exit_code}): {res.err_text.strip()[:200]}")
+        problems.append(f"checking {dirs} failed (exit {res.exit_code}): {res.err_text.strip()[:200]}")
     if "checkout-failed" in out:
         problems.append(f"checkout of {commit} failed: {res.err_text.strip()[:200]}")
     if left.split():
         problems.append(f"scratch space not empty: {left.split()[:5]}")
     if ipc.strip():
         problems.append(f"System V IPC objects left: {ipc.strip().splitlines()[:3]}")
-    # Last, once emptied and listed (which moves their times): the directories themselves.
-    problems += await sandbox.restore_scratch(timeout=timeout)
     procs = await sandbox.processes()
     if procs:
         problems.append(f"processes left: {procs[:5]}")

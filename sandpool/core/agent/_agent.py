@@ -18,24 +18,28 @@ Ops:
     ps          {} -> {procs: [cmdline, ...]} (everything but the agent and pid 1)
     kill_strays {} -> {killed: n}
     restore     {root, image, changes: [[path, "replace"|"meta"], ...],
-                 pinned: {path: {data(b64), mode, mtime_ns}}} -> {failed: [msg, ...]}
+                 pinned: {path: {data(b64), mode, mtime_ns}}} -> {failed: [msg, ...], errnos}
                 make each repo-relative path under ``root`` what it is under ``image`` (the
                 image's repo, bind-mounted read-only): ``replace`` removes the path and copies
                 the image's (type, bytes or target, mode, mtime, user xattrs); ``meta`` sets a
                 directory's own mode, mtime and xattrs; a ``pinned`` path is written from the
-                bytes given instead of the image's. The host computed the list from the
-                overlay's upper layer and verifies the result; this op only does the work.
+                bytes given instead of the image's. Every path to replace is removed before
+                anything is copied; trees of any depth (iterative, names relative to an open
+                directory). The host computed the list from the overlay's upper layer and
+                verifies the result; this op only does the work (``errnos``: each failure's).
     service     {argv, env, cwd, log?} -> {pid}: start a long-lived service process (its own
                 session, in the work cgroup, output to ``log``, else to the agent's stderr)
                 that ``ps`` and ``kill_strays`` leave alone
-    dirmeta     {paths: [abs, ...], set?: {path: meta}} -> {meta: {path: meta | {error}}}
+    scratch     {paths: [abs, ...], restore?: {path: meta}}
+                -> {meta: {path: meta | {error}}, left: {path: [name, ...]}}
                 a directory's own metadata, meta = {mode, uid, gid, atime_ns, mtime_ns,
                 xattrs: {name: b64}} (every extended attribute it lists, POSIX ACLs
-                included); with ``set``, first make each path's metadata that (extra xattrs
-                removed, the rest written, then mode, then times; the owner cannot change
-                without privileges and is only read; a directory the agent does not own gets
-                its times refreshed to now, reported as "refreshed", or if it cannot write
-                it either, "unwritable")
+                included); with ``restore``, first empty each directory (any depth) and
+                make its metadata that (extra xattrs removed, the rest written, then mode,
+                then times; the owner cannot change without privileges and is only read; a
+                directory the agent does not own gets its times refreshed to now, reported
+                as "refreshed", or if it cannot write it either, "unwritable"); ``left``:
+                entries still in it
 
 Any op may answer ``{error: "exhausted", message}``: the kernel refused the agent a thread
 (the sandbox's pid budget is spent); the host reads its cgroup to say whose that is.
@@ -439,27 +443,87 @@ def _strip_xattrs(path):
 
 
 def _remove(path):
-    """Remove ``path`` recursively without following symlinks, whatever its modes."""
+    """Remove ``path`` and everything below it, without following symlinks, whatever its modes
+    and however deep: iteratively, one directory open at a time and every name relative to
+    it, so neither the recursion limit nor PATH_MAX bounds the tree a rollout can leave (its
+    processes are gone: nothing moves the tree meanwhile, and ``..`` leads back up)."""
+    parent, name = os.path.split(path)
     try:
-        st = os.lstat(path)
+        pfd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY)
     except FileNotFoundError:
         return
-    if not stat.S_ISDIR(st.st_mode):
-        os.unlink(path)
-        return
-    os.chmod(path, 0o700)  # a rollout may have left it unreadable or unwritable
-    for name in os.listdir(path):
-        _remove(os.path.join(path, name))
-    os.rmdir(path)
+    try:
+        try:
+            st = os.lstat(name, dir_fd=pfd)
+        except FileNotFoundError:
+            return
+        if not os.stat(pfd).st_mode & stat.S_IWUSR:  # a rollout may have made it read-only
+            os.chmod(pfd, stat.S_IMODE(os.stat(pfd).st_mode) | 0o700)  # its attrs are restored later
+        if stat.S_ISDIR(st.st_mode):
+            _remove_tree(pfd, name)
+        else:
+            os.unlink(name, dir_fd=pfd)
+    finally:
+        os.close(pfd)
+
+
+def _open_dir(pfd, name):
+    os.chmod(name, 0o700, dir_fd=pfd)  # a rollout may have left it unreadable or unwritable
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=pfd)
+
+
+def _remove_tree(top_pfd, top):
+    names = [top]  # the directories from ``top`` down to the one open
+    fd = _open_dir(top_pfd, top)
+    try:
+        while True:
+            sub = None
+            with os.scandir(fd) as entries:
+                for e in entries:
+                    if e.is_dir(follow_symlinks=False):
+                        sub = e.name
+                        break
+                    os.unlink(e.name, dir_fd=fd)
+            if sub is not None:  # down into the first subdirectory left
+                child = _open_dir(fd, sub)
+                os.close(fd)
+                fd = child
+                names.append(sub)
+                continue
+            empty = names.pop()
+            if not names:
+                os.rmdir(empty, dir_fd=top_pfd)
+                return
+            up = os.open("..", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = up
+            os.rmdir(empty, dir_fd=fd)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+            fd = -1
 
 
 def _copy(src, dst):
-    st = os.lstat(src)
-    if stat.S_ISDIR(st.st_mode):
-        os.mkdir(dst, 0o700)
-        for name in os.listdir(src):
-            _copy(os.path.join(src, name), os.path.join(dst, name))
-    elif stat.S_ISLNK(st.st_mode):
+    """Copy the image's ``src`` to ``dst`` (type, bytes or target, mode, mtime, user xattrs),
+    iteratively; a directory's attributes are set after everything inside it."""
+    todo = [(src, dst, False)]
+    while todo:
+        s, d, done = todo.pop()
+        st = os.lstat(s)
+        if done:  # every entry of this directory is in place: now its own attributes
+            _copy_attrs(s, d, st)
+        elif stat.S_ISDIR(st.st_mode):
+            os.mkdir(d, 0o700)
+            todo.append((s, d, True))
+            todo.extend((os.path.join(s, n), os.path.join(d, n), False) for n in os.listdir(s))
+        else:
+            _copy_leaf(s, d, st)
+            _copy_attrs(s, d, st)
+
+
+def _copy_leaf(src, dst, st):
+    if stat.S_ISLNK(st.st_mode):
         os.symlink(os.readlink(src), dst)
     elif stat.S_ISREG(st.st_mode):
         fi = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
@@ -475,19 +539,31 @@ def _copy(src, dst):
     elif stat.S_ISFIFO(st.st_mode):
         os.mkfifo(dst, 0o600)
     else:
-        raise OSError(f"cannot copy {src}: unsupported file type")
-    _copy_attrs(src, dst, st)
+        raise OSError(errno.EINVAL, f"cannot copy {src}: unsupported file type")
 
 
 def _restore(req):
     root, image, pinned = req["root"], req["image"], req.get("pinned") or {}
-    failed, dirs = [], set()
+    failed, errnos, dirs = [], [], set()
+
+    def fail(rel, exc):
+        failed.append(f"{rel or '.'}: {exc}")
+        errnos.append(exc.errno or 0)
+
+    # Everything to replace goes first, then the image's copies come back: what the rollout
+    # left frees its space before anything is written (a disk it filled inside the restored
+    # paths never stops the restore).
+    for rel, kind in req["changes"]:
+        if kind == "replace":
+            try:
+                _remove(os.path.join(root, rel) if rel else root)
+            except OSError as exc:
+                fail(rel, exc)
     for rel, kind in req["changes"]:
         dst = os.path.join(root, rel) if rel else root
         src = os.path.join(image, rel) if rel else image
         try:
             if kind == "replace" and rel in pinned:
-                _remove(dst)
                 pin = pinned[rel]
                 fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
                 with os.fdopen(fd, "wb") as f:
@@ -495,7 +571,6 @@ def _restore(req):
                 os.chmod(dst, pin["mode"])
                 os.utime(dst, ns=(pin["mtime_ns"], pin["mtime_ns"]), follow_symlinks=False)
             elif kind == "replace":
-                _remove(dst)
                 if os.path.lexists(src):
                     _copy(src, dst)
             else:
@@ -503,7 +578,7 @@ def _restore(req):
             if rel:
                 dirs.add(os.path.dirname(rel))  # removing and creating entries moved its mtime
         except OSError as exc:
-            failed.append(f"{rel or '.'}: {exc}")
+            fail(rel, exc)
     # Deepest first: fixing a directory's mtime must come after every change inside it.
     for rel in sorted(dirs, key=lambda r: (r.count("/") + bool(r)), reverse=True):
         dst = os.path.join(root, rel) if rel else root
@@ -514,8 +589,8 @@ def _restore(req):
                 _strip_xattrs(dst)
                 _copy_attrs(src, dst, st)
         except OSError as exc:
-            failed.append(f"{rel or '.'}: {exc}")
-    return {"failed": failed}
+            fail(rel, exc)
+    return {"failed": failed, "errnos": errnos}
 
 
 def _service(req):
@@ -581,8 +656,9 @@ def _set_dir_meta(fd, meta):
     return "refreshed"
 
 
-def _dirmeta(req):
-    out = {}
+def _scratch(req):
+    out, left = {}, {}
+    restore = req.get("restore") or {}
     for path in req["paths"]:
         try:
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -591,8 +667,15 @@ def _dirmeta(req):
             continue
         try:
             times = "set"
-            if path in (req.get("set") or {}):
-                times = _set_dir_meta(fd, req["set"][path])
+            if path in restore:
+                for name in os.listdir(fd):
+                    try:
+                        _remove(os.path.join(path, name))
+                    except OSError:
+                        pass  # listed in ``left``
+            left[path] = sorted(os.listdir(fd))[:5]  # before the times: a listing moves atime
+            if path in restore:
+                times = _set_dir_meta(fd, restore[path])
             out[path] = _dir_meta(fd)
             if times != "set":
                 out[path].update(atime_ns=times, mtime_ns=times)
@@ -600,11 +683,11 @@ def _dirmeta(req):
             out[path] = {"error": str(exc)}
         finally:
             os.close(fd)
-    return {"meta": out}
+    return {"meta": out, "left": left}
 
 
 _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps": _ps,
-        "kill_strays": _kill_strays, "restore": _restore, "service": _service, "dirmeta": _dirmeta}
+        "kill_strays": _kill_strays, "restore": _restore, "service": _service, "scratch": _scratch}
 
 
 class _Exhausted(Exception):

@@ -332,11 +332,15 @@ def changes_outside(upper: Path, lowers: list[Path], keep: Sequence[str]) -> lis
             return st
         return None
 
-    def walk(rel: str) -> None:
+    # Iterative; it descends only into directories a lower layer has too (an added directory
+    # is one entry, however deep), so the image bounds the depth.
+    todo = [""]
+    while todo:
+        rel = todo.pop()
         try:
             entries = list(os.scandir(upper / rel if rel else upper))
         except OSError:
-            return
+            continue
         for e in entries:
             r = f"{rel}/{e.name}" if rel else e.name
             if "/" + r in skip:
@@ -358,9 +362,8 @@ def changes_outside(upper: Path, lowers: list[Path], keep: Sequence[str]) -> lis
                         low.st_mode, low.st_uid, low.st_gid):
                     out.append(("/" + r, "modified"))
                 else:  # a directory copied up because something below it changed
-                    walk(r)
+                    todo.append(r)
             else:
                 out.append(("/" + r, "modified"))
 
-    walk("")
     return sorted(out)

@@ -122,21 +122,32 @@ def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True) -> bool:
     """True when the trees at host paths ``a`` and ``b`` are identical (see module docstring).
 
     Whiteouts under ``a`` count as absent entries (``a`` is an opaque upper directory).
+    Iterative: it descends only where both trees have a directory of the same name, so ``b``
+    (the image's) bounds the depth; the upper side's extra levels end the walk unequal.
     """
-    ast, bst = _lstat(a), _lstat(b)
-    if ast is None or bst is None:
-        return ast is None and bst is None
-    if not stat.S_ISDIR(ast.st_mode) or not stat.S_ISDIR(bst.st_mode):
-        return _same_leaf(a, ast, b, bst)
-    if not _same_attrs(a, ast, b, bst):
-        return False
-    with os.scandir(a) as it:
-        names_a = {e.name for e in it if not (whiteouts_absent and _whiteout(e.stat(follow_symlinks=False)))}
-    with os.scandir(b) as it:
-        names_b = {e.name for e in it}
-    if names_a != names_b:
-        return False
-    return all(tree_equal(os.path.join(a, n), os.path.join(b, n)) for n in sorted(names_a))
+    todo = [(a, b)]
+    while todo:
+        x, y = todo.pop()
+        xst, yst = _lstat(x), _lstat(y)
+        if xst is None or yst is None:
+            if xst is not None or yst is not None:
+                return False
+            continue
+        if not stat.S_ISDIR(xst.st_mode) or not stat.S_ISDIR(yst.st_mode):
+            if not _same_leaf(x, xst, y, yst):
+                return False
+            continue
+        if not _same_attrs(x, xst, y, yst):
+            return False
+        with os.scandir(x) as it:
+            names_x = {e.name for e in it
+                       if not (whiteouts_absent and _whiteout(e.stat(follow_symlinks=False)))}
+        with os.scandir(y) as it:
+            names_y = {e.name for e in it}
+        if names_x != names_y:
+            return False
+        todo.extend((os.path.join(x, n), os.path.join(y, n)) for n in sorted(names_x, reverse=True))
+    return True
 
 
 def diff(lower: Path | str, upper: Path | str, under: str = "",
@@ -168,41 +179,45 @@ def diff(lower: Path | str, upper: Path | str, under: str = "",
     return sorted(out)
 
 
-def _entry(lower: str, upper: str, rel: str, out: list[Change], pinned: dict[str, str],
+def _entry(lower: str, upper: str, top: str, out: list[Change], pinned: dict[str, str],
            seen: dict[str, tuple[int, int, int]]) -> None:
-    u = os.path.join(upper, rel) if rel else upper
-    lo = pinned.get(rel) or (os.path.join(lower, rel) if rel else lower)
-    ust = _lstat(u)
-    if ust is None:
-        return  # untouched: the merged view shows the lower entry as it is
-    lst = _lstat(lo)
-    if _whiteout(ust):
-        if lst is not None:
+    # Iterative: it descends only into directories both layers have (an added directory is one
+    # change, however deep), so the image bounds the depth.
+    todo = [top]
+    while todo:
+        rel = todo.pop()
+        u = os.path.join(upper, rel) if rel else upper
+        lo = pinned.get(rel) or (os.path.join(lower, rel) if rel else lower)
+        ust = _lstat(u)
+        if ust is None:
+            continue  # untouched: the merged view shows the lower entry as it is
+        lst = _lstat(lo)
+        if _whiteout(ust):
+            if lst is not None:
+                out.append(Change(rel, "replace"))
+            continue
+        if lst is None:
             out.append(Change(rel, "replace"))
-        return
-    if lst is None:
-        out.append(Change(rel, "replace"))
-        return
-    if not (stat.S_ISDIR(ust.st_mode) and stat.S_ISDIR(lst.st_mode)):
-        key = (ust.st_ino, ust.st_ctime_ns, ust.st_size)
-        if rel not in pinned and seen.get(rel) == key:
-            return
-        seen.pop(rel, None)
-        if not _same_leaf(u, ust, lo, lst):
-            out.append(Change(rel, "replace"))
-        elif rel not in pinned:
-            seen[rel] = key
-        return
-    if _opaque(u):  # the policy removed and recreated it: the whole lower dir is hidden
-        if not tree_equal(u, lo):
-            out.append(Change(rel, "replace"))
-        return
-    if not _same_attrs(u, ust, lo, lst):
-        out.append(Change(rel, "meta"))
-    with os.scandir(u) as it:
-        names = sorted(e.name for e in it)
-    for name in names:
-        _entry(lower, upper, f"{rel}/{name}" if rel else name, out, pinned, seen)
-    for p in pinned:  # a pinned file absent from the upper layer shows the lower's: not pinned
-        if os.path.dirname(p) == rel and os.path.basename(p) not in names:
-            out.append(Change(p, "replace"))
+            continue
+        if not (stat.S_ISDIR(ust.st_mode) and stat.S_ISDIR(lst.st_mode)):
+            key = (ust.st_ino, ust.st_ctime_ns, ust.st_size)
+            if rel not in pinned and seen.get(rel) == key:
+                continue
+            seen.pop(rel, None)
+            if not _same_leaf(u, ust, lo, lst):
+                out.append(Change(rel, "replace"))
+            elif rel not in pinned:
+                seen[rel] = key
+            continue
+        if _opaque(u):  # the policy removed and recreated it: the whole lower dir is hidden
+            if not tree_equal(u, lo):
+                out.append(Change(rel, "replace"))
+            continue
+        if not _same_attrs(u, ust, lo, lst):
+            out.append(Change(rel, "meta"))
+        with os.scandir(u) as it:
+            names = sorted(e.name for e in it)
+        todo.extend(f"{rel}/{name}" if rel else name for name in reversed(names))
+        for p in pinned:  # a pinned file absent from the upper layer shows the lower's: not pinned
+            if os.path.dirname(p) == rel and os.path.basename(p) not in names:
+                out.append(Change(p, "replace"))

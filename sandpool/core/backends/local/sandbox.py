@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -22,6 +23,10 @@ from sandpool.core.base import ExecResult, Sandbox
 from sandpool.core.images import OciImage
 
 __all__ = ["LocalSandbox"]
+
+#: Free bytes under which a sandbox's quota filesystem counts as full: a restore that failed
+#: with ENOSPC there failed for what the rollout wrote.
+_FULL_BYTES = 1 << 20
 
 
 class LocalSandbox(Sandbox):
@@ -271,9 +276,27 @@ class LocalSandbox(Sandbox):
                                   "mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
         msg = await self._call("restore", timeout, root=self.workdir, image=self._image_in_sandbox,
                                changes=[[c.path, c.kind] for c in changes], pinned=pinned)
+        full = self._disk_full() if {errno.ENOSPC, errno.EDQUOT} & set(msg.get("errnos", [])) else None
+        if full:  # the restore could not write the image's files back: the rollout filled the disk
+            raise errors.DiskQuotaExceeded(errno.ENOSPC, f"the restore from the image failed ({full}; "
+                                           f"in sandbox {self.id})", under or ".")
         left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
         return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
             f"restore failed: {m}" for m in msg.get("failed", [])][:20]
+
+    def _disk_full(self) -> str | None:
+        """Why the sandbox's quota filesystem is full, read on the host (the evidence that an
+        ENOSPC inside was the rollout's doing), or None: no quota (ENOSPC would be the host's
+        disk), or room left."""
+        disk = self.state_dir / "disk"
+        if not os.path.ismount(disk):
+            return None
+        st = os.statvfs(disk)
+        if st.f_favail == 0:
+            return f"its disk quota has no inode left of {st.f_files}"
+        if st.f_bavail * st.f_frsize < _FULL_BYTES:
+            return f"its disk quota has {st.f_bavail * st.f_frsize} bytes left of {st.f_blocks * st.f_frsize}"
+        return None
 
     async def restore_service(self, *, timeout: float = 60.0) -> list[str]:
         """Bring the sandbox's service back to its pristine state and verify it; see
@@ -308,26 +331,28 @@ class LocalSandbox(Sandbox):
         Raises:
             SandboxStartError: A scratch directory could not be read.
         """
-        meta = (await self._call("dirmeta", timeout, paths=list(self.scratch)))["meta"]
+        meta = (await self._call("scratch", timeout, paths=list(self.scratch)))["meta"]
         bad = {p: m["error"] for p, m in meta.items() if "error" in m}
         if bad:
             raise errors.SandboxStartError(f"sandbox {self.id}: cannot read its scratch directories: {bad}")
         self._scratch = meta
 
     async def restore_scratch(self, *, timeout: float = 60.0) -> list[str]:
-        """Set the scratch directories' mode, times and extended attributes back to those
-        recorded fresh (:meth:`record_scratch`), through the agent, and compare what it reads
-        back with the record (the owner too); see :meth:`Sandbox.restore_scratch`."""
+        """Empty the scratch directories (any depth) and set their mode, times and extended
+        attributes back to those recorded fresh (:meth:`record_scratch`), through the agent's
+        ``scratch`` op, then compare what it reads back with the record (the owner too); see
+        :meth:`Sandbox.restore_scratch`."""
         if not self._scratch:
             return [f"no pristine record of the scratch directories of sandbox {self.id}"]
-        got = (await self._call("dirmeta", timeout, paths=list(self._scratch), set=self._scratch))["meta"]
-        problems = []
+        msg = await self._call("scratch", timeout, paths=list(self._scratch), restore=self._scratch)
+        got, left = msg["meta"], msg.get("left", {})
+        problems = [f"scratch space not empty: {p} holds {names}" for p, names in left.items() if names]
         for path, want in self._scratch.items():
             now = got.get(path) or {"error": "not read"}
             if "error" in now:
                 problems.append(f"scratch directory {path} could not be restored: {now['error']}")
             elif diff := [f"{k} {now.get(k)!r} (fresh {v!r})" for k, v in want.items()
-                          if now.get(k) not in (v, "refreshed", "unwritable")]:  # see dirmeta
+                          if now.get(k) not in (v, "refreshed", "unwritable")]:  # see the op
                 problems.append(f"scratch directory {path} is not as fresh: {', '.join(diff)}")
         return problems
 
