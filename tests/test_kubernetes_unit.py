@@ -201,6 +201,9 @@ def test_manifests_carry_the_run_id_everywhere():
     assert tpl["spec"]["podTemplate"]["metadata"]["labels"][m.RUN_ID_LABEL] == "run1"
     assert tpl["spec"]["podTemplate"]["metadata"]["annotations"] == {m.WORKDIR_SOURCE: "/src"}
     assert tpl["spec"]["podTemplate"]["spec"]["runtimeClassName"] == "gvisor"
+    # No kernel keyring in a pod: the runtime's default seccomp profile denies the calls.
+    assert tpl["spec"]["podTemplate"]["spec"]["securityContext"] == {
+        "seccompProfile": {"type": "RuntimeDefault"}}
     assert m.warm_pool("p", "run1", "img", "t", 3)["spec"] == {
         "replicas": 3,
         "sandboxTemplateRef": {"name": "t"},

@@ -125,6 +125,10 @@ def pod_spec(
         "terminationGracePeriodSeconds": 0,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        # containerd's RuntimeDefault profile leaves add_key, request_key and keyctl out of its
+        # allow list: kernel keyrings are not namespaced, and a key one pod stored would reach
+        # the next rollout and concurrent pods (local sandboxes: backends/local/_seccomp).
+        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
     }
     if runtime_class:
         spec["runtimeClassName"] = runtime_class
