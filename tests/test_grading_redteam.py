@@ -247,14 +247,6 @@ async def test_bytecode_that_holds_the_fix_fools_grading_in_place_and_is_never_r
     assert await _in_place(pack_backend, toolz, lambda sb: _fix_only_in_bytecode(sb, toolz)) == 1.0
     result = await _by_diff(pack_backend, toolz, lambda sb: _fix_only_in_bytecode(sb, toolz))
     assert result.reward == 0.0 and result.refused == ()  # capture leaves bytecode out: no change
-    # Even bytecode already in the grading tree is not read: the isolated run reads no .pyc.
-    pristine = await _at_base(pack_backend, toolz)
-    try:
-        await _fix_only_in_bytecode(pristine, toolz)
-        planted = await grade_patch(pristine, toolz, b"", timeout=300)
-    finally:
-        await pack_backend.delete(pristine)
-    assert planted.reward == 0.0 and set(planted.failed_f2p) == set(toolz.FAIL_TO_PASS)
 
 
 # -- 5. config file names newer pytest versions read ----------------------------------------------

@@ -9,7 +9,7 @@ test patch's files, the test patch, and the test command), with three things add
 2. for pytest harnesses the tests run in an isolated process (``sandbox_side/runner.py``):
    a clean environment, no ``site`` at start-up, pytest and the signed verdict plugin
    imported before anything from the repo, the site directories ahead of the repo on
-   ``sys.path``, no bytecode read or written, and a per-run key in no environment,
+   ``sys.path``, no bytecode written, and a per-run key in no environment,
    argument or file the code under test can read;
 3. every read from the sandbox is bounded (the log by ``max_output``, the report by a cap):
    an oversized report or log is the policy's failure, scored 0, never an infra failure.
@@ -19,10 +19,12 @@ in-place reset, :meth:`~sandpool.core.pool.Lease.reset`, or a fresh claim): noth
 policy did reaches it but the patch.
 
 What is evidence of a broken task (:class:`~sandpool.core.errors.BrokenTaskError`, the task
-rejected, never a reward) rather than of the patch: the image has no Python or cannot import
-pytest (found by a probe run before any of the repo's code runs); the test patch does not
-apply to ``base_commit``; and, with nothing of the policy's applied (an empty patch, or one
-whose every change is to the tests), none of the task's tests ran.
+rejected, never a reward) rather than of the patch: the image has no Python, or the isolated
+run could not import pytest (it says so before any of the repo's code runs); the test patch
+does not apply to ``base_commit``. A run in which none of the task's tests ran is not: the
+base's own bug can stop collection (a conftest that imports the broken module), and the
+policy's code can exit early on purpose. Validation decides that one with the gold patch
+(:mod:`sandpool.envs.grading.validate`), before any rollout is scored.
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ import shlex
 from pathlib import Path
 
 from sandpool.core import errors
-from sandpool.core.base import ExecResult
 from sandpool.core.reset import SAFE_GIT
 from sandpool.core.task import Task
 from sandpool.core.telemetry import traced
@@ -49,14 +50,14 @@ __all__ = ["MAX_REPORT_BYTES", "grade_patch"]
 #: Cap on the signed report read back from the sandbox; a larger one scores 0.
 MAX_REPORT_BYTES = 16 << 20
 _SIDE = Path(__file__).with_name("sandbox_side")
-_NO_BYTECODE = "/dev/null/sandpool-no-bytecode"
 #: The interpreter: the SWE-bench env's, else the image's ``python3``, else its ``python``.
 _FIND_PYTHON = ('PY=; for p in /opt/miniconda3/envs/testbed/bin/python "$(command -v python3)" '
                 '"$(command -v python)"; do [ -n "$p" ] && [ -x "$p" ] && PY="$p" && break; done')
 _ACTIVATE = ("if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate "
              "&& conda activate testbed; fi")
 _ENV_VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-_PATCH_FAILED, _TEST_PATCH_FAILED, _NO_PYTHON, _PROBE_FAILED = 10, 11, 12, 13
+_PATCH_FAILED, _TEST_PATCH_FAILED, _NO_PYTHON = 10, 11, 12
+_STARTED = "@@sandpool-runner-started"  # sandbox_side/runner.py's STARTED
 
 
 def _pytest_argv(command: str) -> tuple[list[str], bool, dict[str, str]] | None:
@@ -78,9 +79,9 @@ def _pytest_argv(command: str) -> tuple[list[str], bool, dict[str, str]] | None:
     return None
 
 
-def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: list[str],
-                    isolated: bool) -> str:
-    """Apply the patch, reset the test files, apply the test patch, find and probe Python.
+def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: list[str]) -> str:
+    """Apply the patch, reset the test files, apply the test patch, find Python, keep the
+    harness's environment.
 
     Runs only the harness's own commands and git on the pristine repo (its ``.git`` is the
     image's): nothing of the repo's code runs yet.
@@ -107,9 +108,6 @@ def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: l
         f"grep -zv -e '^PYTHON' -e '^PYTEST_ADDOPTS=' -e '^PYTEST_PLUGINS=' -e '^SANDPOOL_' "
         f"{d}/env.all > {d}/env.clean",
     ]
-    if isolated:
-        lines.append(f"{_clean_env(d)} \"$PY\" -s -S {d}/runner.py {d}/job.json --probe 2>&1 || "
-                     f"exit {_PROBE_FAILED}")
     lines.append('echo "@@python $PY"')
     return "\n".join(lines) + "\n"
 
@@ -118,7 +116,7 @@ def _clean_env(d: str) -> str:
     # The harness's environment without PYTHON* (so no PYTHONPATH entry in the repo is on
     # sys.path at start-up), plus grading's own; SANDPOOL_EXEC lets the agent find the run.
     ours = " ".join(f"{k}={shlex.quote(v)}" for k, v in {
-        **pytest_env(), "PYTHONNOUSERSITE": "1", "PYTHONPYCACHEPREFIX": _NO_BYTECODE}.items())
+        **pytest_env(), "PYTHONNOUSERSITE": "1"}.items())
     return (f"mapfile -d '' -t E < {d}/env.clean && "
             f"env -i \"${{E[@]}}\" SANDPOOL_EXEC=\"${{SANDPOOL_EXEC:-}}\" {ours}")
 
@@ -132,8 +130,7 @@ def _test_script(task: Task, plan: TestPlan, d: str, python: str, *, isolated: b
     # the verdict plugin loaded through PYTEST_ADDOPTS when it runs pytest.
     lines = [f"while IFS= read -r -d '' kv; do export \"$kv\" 2>/dev/null; done < {d}/env.all",
              "unset PYTEST_ADDOPTS PYTEST_PLUGINS",
-             *(f"export {k}={shlex.quote(v)}" for k, v in pytest_env().items()),
-             f"export PYTHONPYCACHEPREFIX={_NO_BYTECODE}"]
+             *(f"export {k}={shlex.quote(v)}" for k, v in pytest_env().items())]
     if plan.pytest:
         lines += [f"export PYTHONPATH={d}${{PYTHONPATH:+:$PYTHONPATH}}",
                   f"export PYTEST_ADDOPTS='-p {module}'",
@@ -195,8 +192,7 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
         await sandbox.write_file(f"{d}/patch.diff", verdict.patch.encode("utf-8", "surrogateescape"))
     if plan.test_patch:
         await sandbox.write_file(f"{d}/test.patch", plan.test_patch.encode())
-    prep = await sandbox.exec(_prepare_script(task, plan, d, patch=bool(verdict.patch), files=files,
-                                              isolated=isolated),
+    prep = await sandbox.exec(_prepare_script(task, plan, d, patch=bool(verdict.patch), files=files),
                               timeout=300.0, cwd="/", max_output=1 << 20)
     out = (prep.text + prep.err_text).strip()
     if prep.timed_out:
@@ -211,8 +207,6 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
                           error=f"test_patch did not apply to the patched tree: {out[-600:]}")
     if prep.exit_code == _NO_PYTHON:
         raise _broken(task, f"the image has no Python to run the tests with: {out[-300:]}")
-    if prep.exit_code == _PROBE_FAILED:
-        raise _broken(task, f"the image's Python cannot run pytest: {out[-400:]}")
     python = next((ln[len("@@python "):] for ln in prep.text.splitlines() if ln.startswith("@@python ")), None)
     if prep.exit_code != 0 or python is None:
         raise _broken(task, f"the harness's preparation failed (exit {prep.exit_code}): {out[-400:]}")
@@ -220,6 +214,11 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
                              timeout=timeout, cwd="/",
                              max_output=MAX_LOG_BYTES)
     log = res.text + ("\n" + res.err_text if res.stderr else "")
+    if isolated and not res.timed_out and _STARTED not in res.text[:4096]:
+        # Nothing of the repo's had run yet: the image's Python cannot run the harness.
+        raise _broken(task, f"the image's Python cannot run pytest (exit {res.exit_code}): "
+                            f"{res.err_text.strip()[-400:]}")
+    log = "\n".join(ln for ln in log.split("\n") if not ln.startswith(_STARTED))
     target = getattr(sandbox, "sandbox", sandbox)
     if hasattr(target, "kill_strays"):
         await target.kill_strays()  # nothing of the code under test runs while its output is read
@@ -231,10 +230,7 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
         cap = MAX_REPORT_BYTES if oversized else MAX_LOG_BYTES
         return unresolved(task, log=log[-(64 << 10):], **common, error=(
             f"the {what} exceeded {cap} bytes, so it cannot be graded (the code under test wrote it)"))
-    result = score_run(task, plan, res, log, report, key, neutral=reset)
-    if not verdict.patch and not res.timed_out:
-        _no_test_ran(task, plan, result, res, log)
-    return result
+    return score_run(task, plan, res, log, report, key, neutral=reset)
 
 
 async def _read_report(sandbox, d: str) -> tuple[bytes | None, bool]:
@@ -246,14 +242,3 @@ async def _read_report(sandbox, d: str) -> tuple[bytes | None, bool]:
     if res.stdout_truncated:
         return None, True
     return (None if "missing" in res.err_text else res.stdout), False
-
-
-def _no_test_ran(task: Task, plan: TestPlan, result: GradeResult, res: ExecResult, log: str) -> None:
-    """On a tree with nothing of the policy's, a run in which none of the task's tests ran is
-    the task's fault (a wrong interpreter, a missing test file, a command that cannot start)."""
-    status = plan.parse(log)
-    listed = (*task.FAIL_TO_PASS, *task.PASS_TO_PASS)
-    if any(t in status for t in listed) or (not listed and status):
-        return
-    raise _broken(task, f"none of the task's tests ran on its pristine tree (exit {res.exit_code}): "
-                        f"{log.strip()[-400:]}")

@@ -1,4 +1,4 @@
-"""The isolated pytest process: ``python -s -S runner.py job.json [--probe]``.
+"""The isolated pytest process: ``python -s -S runner.py job.json``.
 
 This file is not imported by sandpool; the grader copies it into a private directory of the
 sandbox and starts it with a clean environment (no ``PYTHON*`` variable but the grader's own,
@@ -15,17 +15,20 @@ Nothing from the repo is imported before the verdict machinery:
   the verdict plugin are imported, the per-run key is read from its file and the file
   unlinked (the key is in no environment, argument or file the code under test can read),
   and the report file is opened;
-* no bytecode is read or written anywhere: ``sys.pycache_prefix`` (and the
-  ``PYTHONPYCACHEPREFIX`` children inherit) is a path that cannot exist, and pytest's
-  assertion-rewrite cache is never read;
+* no bytecode is written, and pytest's cache of rewritten test modules is never read (one
+  planted there during the run would replace a test module). The tree's own bytecode is the
+  image's: the sandbox is pristine, capture leaves bytecode out of the patch and the patch
+  policy refuses it, so Python reads what is there as it always does;
 * only then is ``sys.path`` completed: the interpreter's own paths and the site directories
   first, then the harness's ``PYTHONPATH``, then the paths in the repo (a ``.pth``'s), then
   the workdir itself when the harness runs ``python -m pytest``. A module the repo adds
   cannot shadow an installed one.
 
-``--probe`` stops after the imports and exits 0: proof that the image can run the harness,
-taken before any of the repo's code ran. Exit status 3 means pytest could not be imported
-(the image is broken); otherwise the exit status is pytest's.
+Once pytest and the plugin are loaded, and before anything of the repo's, it prints
+:data:`STARTED` on stdout: the code under test can add output after it but never take it
+back, so a run without that line could not start (exit status 3: pytest could not be
+imported by the image's Python), which is the image's fault, not the patch's. Otherwise the
+exit status is pytest's.
 
 The job (JSON): ``workdir``, ``args`` (pytest's arguments), ``cwd_on_path`` (bool), ``key``
 (the key file), ``report`` (the report file), ``plugin`` (the verdict plugin's module name,
@@ -40,8 +43,7 @@ import json
 import os
 import sys
 
-NO_BYTECODE = "/dev/null/sandpool-no-bytecode"
-
+STARTED = "@@sandpool-runner-started"
 
 def in_repo(path, workdir):
     real = os.path.realpath(path or os.getcwd())
@@ -79,10 +81,7 @@ def main(argv):
     here = os.path.dirname(os.path.abspath(__file__))
     with open(argv[1]) as f:
         job = json.load(f)
-    probe = "--probe" in argv
     sys.dont_write_bytecode = True
-    if hasattr(sys, "pycache_prefix"):
-        sys.pycache_prefix = NO_BYTECODE
     workdir = os.path.realpath(job["workdir"])
     sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != here]
     site_paths()
@@ -100,9 +99,6 @@ def main(argv):
     except ImportError as exc:
         sys.stderr.write("sandpool: pytest cannot be imported by %s: %s\n" % (sys.executable, exc))
         return 3
-    if probe:
-        sys.stdout.write("sandpool-probe %s pytest %s\n" % (sys.version.split()[0], pytest.__version__))
-        return 0
     with open(job["key"], "rb") as f:
         key = f.read()
     os.unlink(job["key"])
@@ -113,6 +109,8 @@ def main(argv):
     if hasattr(rewrite, "_read_pyc"):
         rewrite._read_pyc = lambda *args, **kwargs: None
     plugin.snapshot()
+    sys.stdout.write("%s python %s pytest %s\n" % (STARTED, sys.version.split()[0], pytest.__version__))
+    sys.stdout.flush()
     python_env = harness_python_env(job)
     extra = [p for p in python_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = ([p for p in outside if p != here] + [p for p in extra if not in_repo(p, workdir)]
