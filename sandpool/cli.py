@@ -22,30 +22,34 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console(stderr=True)
 
 
-def _default_tasks(*, validated: bool = False, limit: int = 0, out: Path | None = None) -> Path:
+def _default_tasks() -> Path:
     from sandpool.envs.taskpack import RichBuildProgress, build_default_pack
 
     console.print("[bold]task pack[/]: the default pack (built on the first run, then cached)")
     with RichBuildProgress() as show:
-        pack = build_default_pack(progress=show)
-    if not validated:
-        return pack
-    from sandpool.envs.grading.validate import VALIDATION_VERSION
+        return build_default_pack(progress=show)
 
-    # Validated once per pack (its directory is keyed by the pack digest) and grading version.
-    passing = pack.parent / f"validated.v{VALIDATION_VERSION}.jsonl"
-    if passing.exists():
-        return passing
-    if limit and out is not None:  # a run of the first N tasks validates just those, uncached
-        first = out / "pack-head.jsonl"
-        out.mkdir(parents=True, exist_ok=True)
-        first.write_text("".join(pack.read_text().splitlines(keepends=True)[:limit]))
-        console.print(f"[bold]validate[/]: gold and empty patch on the first {limit} task(s)")
-        _validate(first, out / "validated.jsonl", out / "validation.json", concurrency=2)
-        return out / "validated.jsonl"
-    console.print("[bold]validate[/]: gold and empty patch on every task of the new pack (once)")
-    _validate(pack, passing, pack.parent / f"validation.v{VALIDATION_VERSION}.json", concurrency=2)
-    return passing
+
+def _validate_first(task_list: list, *, grade_timeout: float = 300.0) -> tuple[list, list[RejectedTask]]:
+    """The tasks worth running and the rows rejected: every task not validated before on its
+    image is validated once (gold and empty patch, cached under sandpool_home())."""
+    from sandpool.core.backends.local import LocalBackend
+    from sandpool.envs.grading.validate import validated
+
+    with Progress(TextColumn("[bold]validate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        job = bar.add_task("", total=None)
+
+        def start(n: int) -> None:
+            bar.update(job, total=n)
+            if n:
+                console.print(f"[bold]validate[/]: gold and empty patch on {n} task(s) not validated "
+                              "on their image before (once; --no-validate skips)")
+
+        runnable, broken, _ = asyncio.run(validated(
+            task_list, LocalBackend, concurrency=2, grade_timeout=grade_timeout, on_start=start,
+            on_result=lambda v: bar.update(job, advance=1)))
+    return runnable, broken
 
 
 def _no_task_file(tasks: str, exc: FileNotFoundError) -> str:
@@ -60,16 +64,17 @@ def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int
               grade_timeout: float = 300.0) -> int:
     from sandpool.core.backends.local import LocalBackend
     from sandpool.envs.tasks import load_tasks, local_base_resolver
-    from sandpool.envs.grading.validate import validate_tasks
+    from sandpool.envs.grading.validate import ValidationCache, validate_tasks
 
     rejected: list[RejectedTask] = []
     task_list = load_tasks(path, rejected=rejected, resolve_base=local_base_resolver())
     with Progress(TextColumn("[bold]validate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar:
-        job = bar.add_task("", total=len(task_list) * 2)
+        job = bar.add_task("", total=len(task_list))
         result = asyncio.run(validate_tasks(task_list, LocalBackend, concurrency=concurrency,
                                             grade_timeout=grade_timeout, rejected=rejected,
-                                            on_result=lambda r: bar.update(job, advance=1)))
+                                            on_result=lambda v: bar.update(job, advance=1),
+                                            cache=ValidationCache()))
     result.write(tasks_out, report_out)
     print(result.render_text())
     console.print(f"passing tasks: {tasks_out}  verdicts: {report_out}")
@@ -80,7 +85,7 @@ def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int
 def run(
     tasks: Annotated[str, typer.Option(help="Task file (.jsonl/.json/.parquet of SWE-bench, R2E-Gym, SWE-smith or "
                                             "sandpool rows), a hub dataset name, or 'default' for the built-in "
-                                            "pack (validated on its first build).")] = "default",
+                                            "pack.")] = "default",
     rollouts: Annotated[int, typer.Option(min=1, help="Rollouts per task (k), at least 1.")] = 4,
     limit: Annotated[int, typer.Option(help="Run only the first N tasks (0 = all).")] = 0,
     policy: Annotated[str, typer.Option(help="Comma-separated policies used round-robin: oracle, noop, chat.")] = "oracle,noop",
@@ -93,6 +98,9 @@ def run(
     model: Annotated[str, typer.Option(help="Model name for the chat policy.")] = "",
     network: Annotated[bool, typer.Option(help="Give sandboxes network access.")] = False,
     metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics while running (0 = off).")] = 0,
+    no_validate: Annotated[bool, typer.Option("--no-validate", help="Do not validate tasks first. By default each task "
+                                              "not validated on its image before gets its gold and empty patch graded "
+                                              "once (cached), and a broken task is rejected instead of run.")] = False,
 ) -> None:
     """Run N tasks x k rollouts on the local backend, with a progress bar and a report."""
     from sandpool.core.backends.local import LocalBackend
@@ -101,7 +109,7 @@ def run(
     from sandpool.envs.tasks import load_tasks, local_base_resolver
 
     try:
-        path = _default_tasks(validated=True, limit=limit, out=out) if tasks == "default" else Path(tasks)
+        path = _default_tasks() if tasks == "default" else Path(tasks)
         rejected: list[RejectedTask] = []
         rows: dict[str, int] = {}
         task_list = load_tasks(path, rejected=rejected, rows=rows, resolve_base=local_base_resolver())
@@ -114,8 +122,15 @@ def run(
     except errors.InputError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
+    if not no_validate:
+        try:
+            task_list, broken = _validate_first(task_list)
+        except errors.FatalError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(2) from None
+        rejected += [r.model_copy(update={"row": rows.get(r.task_id or "")}) for r in broken]
     for r in rejected:
-        console.print(f"[yellow]rejected[/] row {r.row}: {r.reason}")
+        console.print(f"[yellow]rejected[/] {f'row {r.row}' if r.row else r.task_id}: {r.reason}")
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "rollouts.jsonl"
     if not resume:
@@ -164,25 +179,21 @@ def run(
 def validate(
     tasks: Annotated[str, typer.Option(help="Task file or hub name (as for run), or 'default'.")] = "default",
     out: Annotated[Path, typer.Option(help="Directory for validated.jsonl (the passing tasks) and validation.json.")] = Path("reports/validate"),
-    concurrency: Annotated[int, typer.Option(min=1, help="Rollouts at once.")] = 2,
+    concurrency: Annotated[int, typer.Option(min=1, help="Tasks at once.")] = 2,
     grade_timeout: Annotated[float, typer.Option(help="Seconds for each grading test run.")] = 300.0,
 ) -> None:
-    """Run the gold and the empty patch on every task; report broken tasks, write the passing ones.
+    """Grade the gold and the empty patch of every task; report broken tasks, write the passing ones.
 
-    A task is broken when its gold patch does not resolve it, when the empty patch does, or when
-    grading rejects it. Use the written validated.jsonl with 'sandpool run --tasks'. Exits 1
-    when any task is broken.
+    A task is broken when the patch policy refuses its gold patch, when the gold patch does not
+    resolve it (the reason names the FAIL_TO_PASS / PASS_TO_PASS tests that failed or were
+    absent, and why), when the empty patch does, or when grading finds the task itself broken.
+    Use the written validated.jsonl with 'sandpool run --tasks'; 'sandpool run' also reads the
+    verdicts this stores. Exits 1 when any task is broken.
     """
     try:
         path = _default_tasks() if tasks == "default" else Path(tasks)
         broken = _validate(path, out / "validated.jsonl", out / "validation.json", concurrency=concurrency,
                            grade_timeout=grade_timeout)
-        if tasks == "default":  # also the cache `sandpool run` reads for the default pack
-            from sandpool.envs.grading.validate import VALIDATION_VERSION
-
-            for name, cached in (("validated.jsonl", f"validated.v{VALIDATION_VERSION}.jsonl"),
-                                 ("validation.json", f"validation.v{VALIDATION_VERSION}.json")):
-                (path.parent / cached).write_bytes((out / name).read_bytes())
     except FileNotFoundError as exc:
         console.print(f"[red]error:[/] {_no_task_file(tasks, exc)}")
         raise typer.Exit(2) from None

@@ -119,3 +119,34 @@ async def test_a_late_passed_line_for_a_test_that_ran_and_failed_is_caught_by_th
     assert result.reward == 0.0
     assert any("test_is_collection_of_a_set passed; pytest's signed report says FAILED" in e
                for e in result.tampering), result.tampering
+
+
+async def test_swebench_pytest_harness_by_diff_gold_one_empty_zero(local_backend, mm_task):
+    from sandpool.envs.grading.diff import grade_patch
+
+    # The console-script form (``pytest -rA <test patch files>``) run isolated: the repo
+    # reaches sys.path only through the image's .pth, after the site directories.
+    results = []
+    for patch in (mm_task.patch, ""):
+        sb = await _at_base(local_backend, mm_task)
+        try:
+            results.append(await grade_patch(sb, mm_task, patch, timeout=300))
+        finally:
+            await local_backend.delete(sb)
+    gold, empty = results
+    assert (gold.harness, gold.reward, gold.tampering) == ("swebench", 1.0, ()), gold.log[-2000:]
+    assert (empty.reward, set(empty.failed_f2p)) == (0.0, set(mm_task.FAIL_TO_PASS))
+
+
+async def test_validate_names_listed_tests_the_harness_never_runs_and_why(test_images_root, mm_task):
+    from sandpool.core.backends.local import LocalBackend
+    from sandpool.envs.grading.validate import validate_tasks
+
+    task = mm_task.model_copy(update={
+        "instance_id": "marshmallow-code__marshmallow-90002",
+        "PASS_TO_PASS": [*mm_task.PASS_TO_PASS, "tests/test_fields.py::TestField::test_repr"]})
+    result = await validate_tasks([task], lambda: LocalBackend(test_images_root))
+    (v,) = result.verdicts
+    assert v.status == "broken" and (v.gold, v.empty) == (0.0, 0.0)
+    assert ("absent from the log, never run: tests/test_fields.py::TestField::test_repr (their files "
+            "are not among the harness's test directives, the files the test patch touches)") in v.reason

@@ -43,3 +43,65 @@ async def test_validate_passes_good_tasks_and_names_each_kind_of_broken_one(test
     report = json.loads((tmp_path / "validation.json").read_text())
     assert len(report["verdicts"]) == 6
     assert "1 pass, 5 broken" in result.render_text()
+
+
+async def test_validate_says_which_listed_tests_were_absent_and_why_and_what_the_policy_refused(
+        test_images_root, calc_task):
+    other_file = calc_task.model_copy(update={
+        "instance_id": "calc__p2p-in-a-missing-file",
+        "PASS_TO_PASS": ("test_calc.py::test_zero", "test_other.py::test_x")})
+    refused = calc_task.model_copy(update={
+        "instance_id": "calc__gold-adds-a-conftest",
+        "patch": calc_task.patch + ("diff --git a/conftest.py b/conftest.py\nnew file mode 100644\n"
+                                    "index 0000000..1111111\n--- /dev/null\n+++ b/conftest.py\n@@ -0,0 +1 @@\n"
+                                    "+import os\n")})
+    result = await validate_tasks([other_file, refused], lambda: LocalBackend(test_images_root), concurrency=2)
+    by = {v.task_id: v for v in result.verdicts}
+    missing = by["calc__p2p-in-a-missing-file"]
+    assert missing.status == "broken" and (missing.gold, missing.empty) == (0.0, 0.0)
+    assert "no listed test ran (exit 4)" in missing.reason
+    assert "file or directory not found: test_other.py" in missing.reason
+    gold_refused = by["calc__gold-adds-a-conftest"]
+    assert gold_refused.status == "broken"
+    assert "the patch policy refuses it: conftest.py is a start-up or plugin hook" in gold_refused.reason
+
+
+def test_run_validates_rows_never_validated_once_and_rejects_a_broken_task_before_scoring(
+        test_images_root, calc_task, tmp_path):
+    import uuid
+
+    from typer.testing import CliRunner
+
+    from sandpool.cli import app
+    from sandpool.core.backends.local import image_dir
+    from sandpool.core.paths import sandpool_home
+
+    # The command line's backend reads sandpool_home()/images: the calc image, under that root.
+    name = "sandpool.test/calc-cli:2"
+    d = image_dir(sandpool_home() / "images", name)
+    d.mkdir(parents=True, exist_ok=True)
+    calc = json.loads((image_dir(test_images_root, calc_task.image) / "image.json").read_text())
+    (d / "image.json").write_text(json.dumps({**calc, "name": name}))
+    run = uuid.uuid4().hex[:8]  # rows never validated before
+    good = calc_task.model_copy(update={"instance_id": f"calc__good-{run}", "image": name})
+    broken = good.model_copy(update={"instance_id": f"calc__broken-{run}",
+                                     "FAIL_TO_PASS": ("test_gone.py::test_add",)})
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(good.model_dump_json() + "\n" + broken.model_dump_json() + "\n")
+
+    def sandpool_run(*extra: str):
+        res = CliRunner().invoke(app, ["run", "--tasks", str(rows), "--rollouts", "2", "--policy", "oracle,noop",
+                                       "--concurrency", "2", "--out", str(tmp_path / "out"), *extra])
+        assert res.exit_code == 0, res.output
+        lines = (tmp_path / "out" / "rollouts.jsonl").read_text().splitlines()
+        return " ".join(res.output.split()), [json.loads(x) for x in lines]
+
+    text, results = sandpool_run()
+    assert "gold and empty patch on 2 task(s) not validated" in text
+    outcomes = sorted((r["task_id"].split("-")[0], r["outcome"], r["reward"]) for r in results)
+    assert outcomes == [("calc__broken", "rejected", None), ("calc__broken", "rejected", None),
+                        ("calc__good", "completed", 0.0), ("calc__good", "completed", 1.0)]
+    assert all("validation: the gold patch does not resolve it" in r["error"] and "no listed test ran" in r["error"]
+               for r in results if r["outcome"] == "rejected")
+    text, _ = sandpool_run()  # validated once per task and image: the second run asks nothing
+    assert "not validated" not in text

@@ -241,6 +241,8 @@ class GradeResult:
         p2p_failed: Number of PASS_TO_PASS tests that did not pass.
         failed_f2p: The FAIL_TO_PASS ids that did not pass, in task order.
         failed_p2p: The PASS_TO_PASS ids that did not pass, in task order.
+        absent: The listed ids (of either list) the log does not mention at all: never run
+            or never collected.
         timed_out: True when the test command hit its timeout (scored 0: the policy's code
             hung, e.g. an infinite loop).
         error: Why the tests could not run as the harness runs them, when the policy's state
@@ -266,6 +268,7 @@ class GradeResult:
     p2p_failed: int
     failed_f2p: tuple[str, ...] = ()
     failed_p2p: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()
     timed_out: bool = False
     error: str | None = None
     tampering: tuple[str, ...] = ()
@@ -311,6 +314,7 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
         return unresolved(task, timed_out=True, **common)
     status = plan.parse(log)
     resolved, failed_f2p, failed_p2p = plan.score(status)
+    common["absent"] = tuple(t for t in f2p + p2p if t not in status)
     evidence = list(suspicious)
     if plan.pytest:
         rep = read_signed_report(report, key)
