@@ -17,8 +17,9 @@ class MemorySandbox(Sandbox):
     ``restore_repo`` models a backend that restores the repo from the image; set
     ``restore_fails`` to make it report a path it could not restore."""
 
-    def __init__(self, sid: str, image: str) -> None:
+    def __init__(self, sid: str, image: str, commits: set[str] | None = None) -> None:
         self.id, self.image, self.workdir = sid, image, "/testbed"
+        self.commits = commits  # the commits its repo has; None: any
         self.at = "0" * 40  # the commit its workdir is at
         self.dead = False
         self.dirty = False
@@ -36,6 +37,9 @@ class MemorySandbox(Sandbox):
             exc, self.fail_next_exec = self.fail_next_exec, None
             raise exc
         self.commands.append(cmd)
+        if (m := re.search(r"(?:checkout -q -f --detach|cat-file -e) '?([0-9a-f]{40})", cmd)) \
+                and self.commits is not None and m.group(1) not in self.commits:
+            return ExecResult(128, b"", f"fatal: bad object {m.group(1)}\n".encode())
         if m := re.search(r"checkout -q -f --detach '?([0-9a-f]{40})", cmd):
             self.at = m.group(1)
             self.dirty = False
@@ -69,14 +73,17 @@ class MemoryBackend(Backend):
     Attributes:
         fail_creates: Number of upcoming creations that raise ``SandboxStartError``.
         head: Commit new sandboxes report as their pristine ``head`` (None: unknown).
+        commits: The only commits sandboxes' repos have (a checkout of another fails as
+            git's does); ``None``: any commit checks out.
         created_at: Monotonic times of every creation, for rate-limit tests.
     """
 
     name = "memory"
 
     def __init__(self, images: set[str] | None = None, create_delay: float = 0.0,
-                 head: str | None = None) -> None:
+                 head: str | None = None, commits: set[str] | None = None) -> None:
         self.images = images
+        self.commits = commits
         self.head = head
         self.create_delay = create_delay
         self.fail_creates = 0
@@ -102,7 +109,7 @@ class MemoryBackend(Backend):
         if self.fail_creates:
             self.fail_creates -= 1
             raise errors.SandboxStartError("scripted start failure")
-        sb = MemorySandbox(f"mem-{next(self._ids)}", image)
+        sb = MemorySandbox(f"mem-{next(self._ids)}", image, self.commits)
         if self.head is not None:
             sb.head = sb.at = self.head
         self.live[sb.id] = sb

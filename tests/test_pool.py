@@ -275,7 +275,7 @@ async def test_a_quarantined_sandboxs_replacement_evicts_no_other_images_sandbox
             await pool.release(lease)
             assert pool.counters.quarantines == 1 and backend.deleting == 1
             claim = asyncio.create_task(pool.acquire(a))
-            await until(lambda: pool._images["img-a"].waiters or claim.done(), "the claim")
+            await until(lambda: "waiting=1" in repr(pool) or claim.done(), "the claim")
             assert pool.counters.evicted == 0 and kept in backend.live
             backend.delete_gate.set()  # the quarantined sandbox's delete returns: its room
             lease = await asyncio.wait_for(claim, 60)

@@ -1,0 +1,17 @@
+"""The sandbox pool: warm pools per image, millisecond claims, in-place reuse.
+
+* :mod:`~sandpool.core.pool.pool`: :class:`SandboxPool`, the I/O (claims, creations,
+  resets, deletes) and the run report;
+* :mod:`~sandpool.core.pool.entries`: what the pool holds, as entries in per-state
+  collections per image, and the one place they change and decisions are made;
+* :mod:`~sandpool.core.pool.worker`: the creations, resets and deletes decided there, each
+  in a task, reporting back;
+* :mod:`~sandpool.core.pool.lease`: :class:`Lease`, a claimed sandbox;
+* :mod:`~sandpool.core.pool.limits`: :class:`PoolLimits` and the pool's lifecycle.
+"""
+
+from sandpool.core.pool.lease import Lease
+from sandpool.core.pool.limits import PoolLimits, PoolState
+from sandpool.core.pool.pool import SandboxPool
+
+__all__ = ["Lease", "PoolLimits", "PoolState", "SandboxPool"]

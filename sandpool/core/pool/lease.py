@@ -1,0 +1,126 @@
+"""A claimed sandbox, held by one rollout until released: :class:`Lease`."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sandpool.core import errors
+from sandpool.core.base import ExecResult, Sandbox
+from sandpool.core.task import Task
+from sandpool.core.telemetry import Telemetry
+
+if TYPE_CHECKING:
+    from sandpool.core.pool.entries import Entry
+    from sandpool.core.pool.pool import SandboxPool
+
+__all__ = ["Lease"]
+
+T = TypeVar("T")
+
+
+class Lease:
+    """A claimed sandbox, held by one rollout until released.
+
+    It forwards :meth:`exec`, :meth:`read_file` and :meth:`write_file` to the sandbox and
+    measures TTFC: from the claim request to the result of the first command. Made by
+    :meth:`SandboxPool.acquire <sandpool.core.pool.SandboxPool.acquire>`, never directly.
+
+    Attributes:
+        task: The task the sandbox was claimed for.
+        sandbox: The underlying sandbox (another one after :meth:`reset` swapped it).
+        ttfc_s: Time to first command in seconds, once the first exec has returned.
+        broken: Set when an infra error was seen; the sandbox is then deleted, not reused.
+        released: The lease has ended (released, or its pool closed); using it raises
+            ``PoolClosed``.
+    """
+
+    def __init__(self, pool: SandboxPool, entry: Entry, task: Task, t_claim: float) -> None:
+        assert entry.sandbox is not None
+        self._pool = pool
+        self._entry = entry
+        self.task = task
+        self.sandbox: Sandbox = entry.sandbox
+        self._t_claim = t_claim
+        self.ttfc_s: float | None = None
+        self.broken: errors.InfraError | None = None
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"<Lease {self.sandbox.id} task={self.task.instance_id} ttfc={self.ttfc_s}>"
+
+    @property
+    def entry(self) -> Entry:
+        """The pool's entry for the leased sandbox."""
+        return self._entry
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self.sandbox.id
+
+    @property
+    def workdir(self) -> str:
+        """The task repo's path inside the sandbox."""
+        return self.sandbox.workdir
+
+    def swap(self, entry: Entry) -> None:
+        """Hold ``entry``'s sandbox instead (:meth:`reset` found the old one unusable)."""
+        assert entry.sandbox is not None
+        self._entry, self.sandbox, self.broken = entry, entry.sandbox, None
+
+    def _check(self) -> None:
+        if self.released:
+            raise errors.PoolClosed(f"lease on {self.sandbox.id} was released; claim again")
+
+    async def _guard(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self.released:
+            coro.close()  # never started; closing it avoids a "never awaited" warning
+            self._check()
+        try:
+            return await coro
+        except errors.InfraError as exc:
+            self.broken = exc
+            self._pool._infra_error(exc.kind)
+            raise
+
+    async def exec(self, cmd: str | list[str], **kwargs: Any) -> ExecResult:
+        """Run a command; see :meth:`sandpool.core.base.Sandbox.exec`. The first call sets TTFC."""
+        with Telemetry.span("sandpool.exec", sandbox_id=self.sandbox.id):
+            res = await self._guard(self.sandbox.exec(cmd, **kwargs))
+        if self.ttfc_s is None:
+            self.ttfc_s = time.monotonic() - self._t_claim
+            self._pool._first_command(self.ttfc_s)
+        return res
+
+    async def read_file(self, path: str) -> bytes:
+        """Read a file; see :meth:`sandpool.core.base.Sandbox.read_file`."""
+        return await self._guard(self.sandbox.read_file(path))
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write a file; see :meth:`sandpool.core.base.Sandbox.write_file`."""
+        await self._guard(self.sandbox.write_file(path, data, mode=mode))
+
+    async def reset(self) -> None:
+        """Make the leased sandbox pristine again, keeping the lease (grading's clean slate).
+
+        The sandbox is reset in place and verified, as on release, and checked out at
+        ``task.base_commit``. If it fails the check, it is quarantined (deleted, counted); if
+        it is dead or :attr:`broken` it is deleted without a reset. Either way a fresh sandbox
+        of the same image, at the same commit, is swapped in under this lease (a claim of its
+        own: warm or created), and :attr:`sandbox` then names it. TTFC stays the first
+        command's.
+
+        Raises:
+            InfraError: No replacement sandbox could be had (``InfraTimeout``,
+                ``SandboxStartError``, ...); the lease is then released.
+            PoolClosed: The lease was released or the pool closed.
+        """
+        self._check()
+        await self._pool._reset_lease(self)
+
+    async def release(self, *, reusable: bool = True) -> None:
+        """Give the sandbox back (see :meth:`SandboxPool.release
+        <sandpool.core.pool.SandboxPool.release>`)."""
+        await self._pool.release(self, reusable=reusable)

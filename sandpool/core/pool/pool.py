@@ -1,0 +1,411 @@
+"""The asyncio sandbox pool: warm pools per image, millisecond claims, in-place reuse.
+
+:class:`SandboxPool` does the I/O (claims, creations, resets, deletes); what it holds and
+what to do next is :class:`~sandpool.core.pool.entries.Entries`, changed only there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterable
+
+from prometheus_client import CollectorRegistry
+
+from sandpool.core import errors
+from sandpool.core.base import Backend, SandboxState
+from sandpool.core.classify import Verdict, classify
+from sandpool.core.metrics import (
+    Outcome,
+    PoolCounters,
+    RejectedTask,
+    Report,
+    RewardSummary,
+    RolloutResult,
+    TTFCStats,
+    Workload,
+)
+from sandpool.core.pool.entries import Entries, Entry
+from sandpool.core.pool.lease import Lease
+from sandpool.core.pool.limits import PoolLimits, PoolState
+from sandpool.core.pool.worker import PoolWorker
+from sandpool.core.reset import checkout
+from sandpool.core.strategies import Strategy, get_strategy
+from sandpool.core.task import Task
+from sandpool.core.telemetry import PoolMetrics, Telemetry, resolve_metrics
+
+__all__ = ["SandboxPool"]
+
+S = SandboxState
+
+
+class SandboxPool:
+    """Warm pools of sandboxes per image over one backend.
+
+    Usage::
+
+        async with SandboxPool(LocalBackend(), strategy="reuse") as pool:
+            await pool.prepare(tasks, concurrency=8)       # hydrate images, fill warm pools
+            async with pool.claim(task) as sandbox:
+                result = await sandbox.exec("git status", timeout=30)
+
+    Use it on one event loop (the one it was opened on; callers on other threads submit to
+    :attr:`loop`). A claim that is cancelled or times out leaves the queue and hands back a
+    sandbox assigned to it in the meantime, so no slot leaks.
+
+    Args:
+        backend: Where sandboxes run.
+        strategy: ``"cold"``, ``"warm"``, ``"reuse"`` or a :class:`Strategy`.
+        limits: Creation rate, live cap and timeouts.
+        metrics: Prometheus series to record into: ``True`` (the default registry), a
+            ``prometheus_client.CollectorRegistry``, a
+            :class:`~sandpool.core.telemetry.PoolMetrics`, or ``None`` (off). OpenTelemetry
+            spans are emitted either way (a no-op without a configured ``TracerProvider``).
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        strategy: str | Strategy = "reuse",
+        limits: PoolLimits = PoolLimits(),  # noqa: B008 - frozen: one shared default is safe
+        *,
+        metrics: PoolMetrics | CollectorRegistry | bool | None = None,
+    ) -> None:
+        self.backend = backend
+        self.strategy = get_strategy(strategy)
+        self.limits = limits
+        self.state = PoolState.UNOPENED
+        self.counters = PoolCounters()
+        self._entries = Entries(self.strategy, limits.max_live or 8)
+        self._hydrated: set[str] = set()
+        self._leases: set[Lease] = set()
+        self._ttfc: list[float] = []
+        self.telemetry = Telemetry(resolve_metrics(metrics), backend=backend.name,
+                                   strategy=self.strategy.name)
+        self._worker = PoolWorker(backend, self._entries, limits, self.counters, self.telemetry,
+                                  is_open=lambda: self.state is PoolState.OPEN)
+        if self.telemetry.metrics is not None:
+            self.telemetry.metrics.attach(self)
+        backend.telemetry = self.telemetry
+        #: The event loop the pool was opened on (callers on other threads submit to it).
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        e = self._entries
+        return (f"<SandboxPool [{self.state.value}] {self.strategy.name} on {self.backend.name}: "
+                f"idle={e.count(S.IDLE)} leased={e.count(S.LEASED)} creating={e.count(S.CREATING)} "
+                f"resetting={e.count(S.RESETTING)} deleting={e.count(S.DELETED)} "
+                f"waiting={e.waiting} max_live={e.max_live}>")
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def __aenter__(self) -> SandboxPool:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Run the backend's preflight and open the pool.
+
+        Raises:
+            BackendUnavailable: The backend cannot run sandboxes here.
+            PoolClosed: The pool was already closed.
+        """
+        if self.state is PoolState.CLOSED:
+            raise errors.PoolClosed("this pool was closed; make a new SandboxPool")
+        if self.state is PoolState.OPEN:
+            return
+        await self.backend.preflight()
+        self.loop = asyncio.get_running_loop()
+        self.state = PoolState.OPEN
+
+    async def aclose(self) -> None:
+        """Delete every sandbox (idle, leased or in flight) and close the backend. Idempotent."""
+        if self.state is PoolState.CLOSED:
+            return
+        self.state = PoolState.CLOSED
+        self._entries.close(errors.PoolClosed("pool closed while waiting for a sandbox"))
+        await self._worker.drain()
+        for lease in self._leases:
+            lease.released = True
+        self._leases.clear()
+        # Idle and leased sandboxes, and those whose reset was cancelled above.
+        doomed = [e for img in self._entries.images.values()
+                  for state in (S.IDLE, S.LEASED, S.RESETTING) for e in img.entries(state)]
+        for entry in doomed:
+            self._entries.move(entry, S.DELETED)
+        await asyncio.gather(*(self._worker.delete(e) for e in doomed), return_exceptions=True)
+        await self.backend.aclose()
+
+    def _check_open(self) -> None:
+        if self.state is not PoolState.OPEN:
+            raise errors.PoolClosed(f"pool is {self.state.value}; use `async with "
+                                    "SandboxPool(...)` or await pool.open()")
+
+    # -- planning --------------------------------------------------------------------------
+
+    async def hydrate(self, image: str) -> None:
+        """Make ``image`` present for the backend once (pull or verify a local build).
+
+        Raises:
+            ImageNotFound: The image does not exist.
+        """
+        if image not in self._hydrated:
+            await self.backend.hydrate(image)
+            self._hydrated.add(image)
+
+    async def prepare(
+        self,
+        tasks: Iterable[Task],
+        concurrency: int,
+        *,
+        rollouts_per_task: int = 1,
+        wait: bool = True,
+    ) -> dict[str, int]:
+        """Hydrate the tasks' images and fill warm pools for ``concurrency`` rollouts at once.
+
+        Args:
+            tasks: The tasks about to run.
+            concurrency: How many rollouts will run at once.
+            rollouts_per_task: Rollouts each task will get (weights the per-image split).
+            wait: Return only once every warm pool reached its target (or creation failed).
+
+        Returns:
+            Slots per image from the strategy's plan.
+
+        Raises:
+            ImageNotFound: An image is missing (nothing was started).
+            PoolClosed: The pool is not open.
+        """
+        self._check_open()
+        demand: dict[str, int] = {}
+        for t in tasks:
+            demand[t.image] = demand.get(t.image, 0) + rollouts_per_task
+        for image in demand:
+            await self.hydrate(image)
+        slots = self.strategy.plan(demand, concurrency)
+        if self.limits.max_live is None:
+            self._entries.max_live = self.strategy.max_live(max(concurrency, len(slots)))
+        for image, n in slots.items():
+            # The strategy's warm count for an empty image; the backend may hold it server-side.
+            warm = self.strategy.deficit(target=n, idle=0, creating=0, leased=0, resetting=0)
+            kept = await self.backend.set_warm_target(image, warm, reuse=self.strategy.reuse)
+            self._entries.image(image).target = kept if warm else n
+        self._worker.assign()
+        if wait:
+            await self.wait_warm()
+        return slots
+
+    async def wait_warm(self, timeout: float | None = None) -> None:
+        """Wait until no creation is in flight and warm targets are met (or cannot be)."""
+        async with asyncio.timeout(timeout):
+            while self._entries.count(S.CREATING):
+                self._worker.changed.clear()
+                await self._worker.changed.wait()
+            await self.backend.wait_warm()
+
+    # -- claim / release -------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def claim(self, task: Task, *, timeout: float | None = None) -> AsyncIterator[Lease]:
+        """Claim a sandbox for one rollout of ``task``; release it on exit.
+
+        An error inside the block that :func:`~sandpool.core.classify.classify` calls infra
+        marks the sandbox broken, so it is deleted rather than reused. Yields a
+        :class:`Lease`. Raises as :meth:`acquire`.
+        """
+        lease = await self.acquire(task, timeout=timeout)
+        try:
+            yield lease
+        except Exception as exc:
+            # An infra error, or one nobody can explain, leaves the sandbox suspect: delete it.
+            await self.release(lease, reusable=classify(exc) is not Verdict.INFRA)
+            raise
+        except BaseException:
+            await self.release(lease)
+            raise
+        else:
+            await self.release(lease)
+
+    async def acquire(self, task: Task, *, timeout: float | None = None) -> Lease:
+        """Claim a sandbox of ``task.image`` at ``task.base_commit``.
+
+        A warm hit is served at once; a miss waits for a creation (rate-limited) or a reset.
+
+        Args:
+            task: The task to run.
+            timeout: Seconds to wait (default ``limits.claim_timeout``).
+
+        Returns:
+            A :class:`Lease`; release it with :meth:`release`.
+
+        Raises:
+            InfraTimeout: No sandbox within ``timeout``.
+            SandboxStartError: Creating a sandbox for this claim failed.
+            ImageNotFound: Unknown image.
+            InputError: ``base_commit`` is not in the image.
+            PoolClosed: The pool is not open.
+        """
+        self._check_open()
+        t0 = time.monotonic()
+        with Telemetry.span("sandpool.claim", task_id=task.instance_id, image=task.image) as span:
+            await self.hydrate(task.image)
+            deadline = t0 + (timeout if timeout is not None else self.limits.claim_timeout)
+            entry, warm = await self._entry_at(task, deadline)
+            self._check_open()  # closed during the checkout: the close took the sandbox
+            lease = Lease(self, entry, task, t0)
+            self._leases.add(lease)
+            self._claimed(warm)
+            span.set_attribute("sandpool.warm", warm)
+            span.set_attribute("sandpool.sandbox_id", lease.id)
+            return lease
+
+    def _claimed(self, warm: bool) -> None:
+        self.counters.claims += 1
+        self.telemetry.claimed(warm=warm)
+
+    async def _entry_at(self, task: Task, deadline: float) -> tuple[Entry, bool]:
+        """A live sandbox of ``task.image`` leased to the caller, at ``task.base_commit``, and
+        whether it was a warm hit. A failed checkout deletes the sandbox and raises."""
+        while True:
+            entry, warm = await self._wait_for_entry(task, deadline)
+            assert entry.sandbox is not None
+            if entry.sandbox.alive():
+                break
+            self.counters.lost += 1  # died while idle: not this rollout's failure
+            self._worker.drop(entry)
+        if entry.head != task.base_commit:
+            try:
+                await checkout(entry.sandbox, task.base_commit, timeout=self.limits.reset_timeout)
+            except BaseException as exc:
+                if isinstance(exc, errors.InfraError):
+                    self._infra_error(exc.kind)
+                if entry.state is S.LEASED:  # else the pool closed and took it
+                    self._worker.drop(entry)
+                raise
+            entry.head = task.base_commit
+        return entry, warm
+
+    async def _wait_for_entry(self, task: Task, deadline: float) -> tuple[Entry, bool]:
+        """Wait for a sandbox of ``task.image``; return it and whether it was a warm hit."""
+        fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
+        waiter = self._entries.wait(task.image, task.base_commit, fut)
+        self._worker.assign()
+        warm = fut.done() and not fut.cancelled() and fut.exception() is None
+        if warm:
+            self.counters.warm_hits += 1
+        try:
+            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic())), warm
+        except BaseException as exc:  # cancelled, timed out or failed: never leak a slot
+            self._entries.give_up(waiter)
+            self._worker.assign()
+            if isinstance(exc, TimeoutError):
+                self._infra_error(errors.InfraTimeout.kind)
+                raise errors.InfraTimeout(
+                    f"no sandbox of {task.image!r} within the claim timeout; raise "
+                    "PoolLimits.claim_timeout or max_live"
+                ) from None
+            raise
+
+    async def release(self, lease: Lease, *, reusable: bool = True) -> None:
+        """Return a leased sandbox: reset it in place for reuse, or delete it.
+
+        With a reusing strategy and a healthy sandbox this returns once the in-place reset is
+        verified (or the sandbox quarantined: deleted and counted), so the reset is part of
+        ending the rollout, not of the next claim; its duration is reported as reset time.
+        Otherwise the delete runs in the background. Releasing twice is a no-op; cancelling
+        the caller does not interrupt a reset.
+        """
+        if lease.released:
+            return
+        lease.released = True
+        self._leases.discard(lease)
+        entry = lease.entry
+        assert entry.sandbox is not None
+        if self.state is not PoolState.OPEN:
+            self._entries.move(entry, S.DELETED)
+            await self._worker.delete(entry)
+            return
+        keep = reusable and lease.broken is None and self.strategy.reuse
+        if not (keep and entry.sandbox.alive()):
+            self._worker.drop(entry)
+            return
+        self._entries.move(entry, S.RESETTING)
+        await asyncio.shield(self._worker.spawn(self._worker.reset(entry, lease.task.base_commit)))
+
+    async def _reset_lease(self, lease: Lease) -> None:
+        """:meth:`Lease.reset`: reset the leased entry in place, or quarantine it and swap."""
+        self._check_open()
+        entry, task = lease.entry, lease.task
+        assert entry.sandbox is not None
+        if lease.broken is None and entry.sandbox.alive():
+            problems, head = await self._worker.reset_checked(entry, task.base_commit)
+            self._check_open()
+            if not problems:
+                self.counters.resets += 1
+                if head == task.base_commit:
+                    entry.head = head
+                    return
+                problems = [f"could not check out {task.base_commit[:12]} after the reset"]
+            self._worker.quarantine(entry, problems)
+        # The old sandbox leaves the lease (deleted as on a release of a broken one, or
+        # quarantined); its delete frees its room under the live cap.
+        self._worker.drop(entry)
+        try:
+            fresh, warm = await self._entry_at(task, time.monotonic() + self.limits.claim_timeout)
+        except BaseException:
+            lease.released = True  # nothing is leased any more
+            self._leases.discard(lease)
+            raise
+        self._claimed(warm)  # a claim of its own: a warm hit counts as one
+        lease.swap(fresh)
+
+    def _infra_error(self, kind: str) -> None:
+        self._worker.infra_error(kind)
+
+    def _first_command(self, ttfc_s: float) -> None:
+        self._ttfc.append(ttfc_s)
+        self.telemetry.first_command(ttfc_s)
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def sizes(self) -> dict[str, dict[str, int]]:
+        """Sandboxes by image and state (idle, leased, creating, resetting, quarantined).
+
+        Read from the pool's entries; safe to call from another thread (a metrics scrape)."""
+        return {name: img.sizes() for name, img in list(self._entries.images.items())}
+
+    @property
+    def ttfc_samples(self) -> list[float]:
+        """TTFC of every lease that ran a command, in seconds, in order."""
+        return list(self._ttfc)
+
+    def report(
+        self,
+        workload: Workload,
+        results: list[RolloutResult],
+        wall_time_s: float,
+        rejected: list[RejectedTask] | None = None,
+    ) -> Report:
+        """Build the run :class:`Report` from this pool's counters and ``results``."""
+        failures = {o.value: 0 for o in Outcome}
+        for r in results:
+            failures[r.outcome.value] += 1
+        return Report(
+            workload=workload,
+            ttfc=TTFCStats.from_samples(self._ttfc),
+            sandboxes_created=self.counters.created,
+            api_writes=self.backend.api_writes,
+            resets=self.counters.resets,
+            quarantines=self.counters.quarantines,
+            failures=failures,
+            infra_errors_by_kind=dict(self.counters.infra_errors),
+            reward=RewardSummary.from_results(results),
+            wall_time_s=wall_time_s,
+            pool=self.counters.model_copy(deep=True),
+            rejected=rejected or [],
+            rollouts=results,
+        )
