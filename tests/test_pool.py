@@ -179,6 +179,20 @@ async def test_dirty_reset_is_quarantined_not_reused():
         await pool.release(lease2)
 
 
+async def test_a_claim_rejected_at_its_checkout_counts_neither_a_claim_nor_a_warm_hit():
+    good, bad = task(1), task(2)
+    backend = MemoryBackend(commits={good.base_commit})  # bad's base_commit is not in the image
+    async with SandboxPool(backend, "reuse") as pool:
+        await pool.prepare([good, bad], concurrency=1)
+        with pytest.raises(errors.InputError, match="is not a commit of image"):
+            await pool.acquire(bad)  # served by the warm sandbox, then rejected
+        assert (pool.counters.claims, pool.counters.warm_hits) == (0, 0)
+        await pool.wait_warm()  # the rejected claim's sandbox was deleted; its refill
+        async with pool.claim(good) as lease:
+            await lease.exec("true")
+        assert (pool.counters.claims, pool.counters.warm_hits) == (1, 1)
+
+
 async def test_unknown_image_fails_the_claim_with_input_error():
     async with SandboxPool(MemoryBackend(images={"img-a"}), "warm") as pool:
         with pytest.raises(errors.ImageNotFound):

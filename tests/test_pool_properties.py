@@ -9,7 +9,8 @@ After every step of a sequence:
   deleted holds a live sandbox of the backend;
 * sandboxes not being deleted never exceed ``max_live``;
 * a sandbox is leased to at most one lease, and one that was quarantined, died or broke is
-  never handed out again.
+  never handed out again;
+* warm hits never exceed claims.
 
 At the end, once every lease is released and every claim has ended: nothing waits, nothing
 is leased, created, reset or deleted, and after close the backend holds no sandbox.
@@ -168,6 +169,8 @@ class Run:
         assert len(ids) == len(set(ids)), "one sandbox leased twice"
         for lease in self.held:  # (one being reset may be between its old and new sandbox)
             assert lease in self.resets or lease.entry.state is S.LEASED and not lease.released
+        c = self.pool.counters
+        assert c.warm_hits <= c.claims
         r = repr(self.pool)
         assert f"leased={entries.count(S.LEASED)} " in r and f"waiting={entries.waiting} " in r
 

@@ -94,8 +94,11 @@ class PoolCounters(BaseModel):
     """Counters a pool keeps over its life.
 
     Attributes:
-        claims: Claims served.
-        warm_hits: Claims served by a sandbox that was already idle.
+        claims: Claims served: each returned a lease (one rejected at its checkout did
+            not), and each sandbox :meth:`Lease.reset <sandpool.core.pool.Lease.reset>`
+            swapped in.
+        warm_hits: Of ``claims``, those a sandbox already idle served (never more than
+            ``claims``).
         created: Sandboxes started.
         create_failures: Sandbox starts that failed.
         deleted: Sandboxes deleted.

@@ -234,6 +234,8 @@ class SandboxPool:
         """Claim a sandbox of ``task.image`` at ``task.base_commit``.
 
         A warm hit is served at once; a miss waits for a creation (rate-limited) or a reset.
+        A claim counts (``counters.claims``, and ``warm_hits`` when an idle sandbox served
+        it) only once it returns a lease.
 
         Args:
             task: The task to run.
@@ -265,6 +267,7 @@ class SandboxPool:
 
     def _claimed(self, warm: bool) -> None:
         self.counters.claims += 1
+        self.counters.warm_hits += warm
         self.telemetry.claimed(warm=warm)
 
     async def _entry_at(self, task: Task, deadline: float) -> tuple[Entry, bool]:
@@ -295,8 +298,6 @@ class SandboxPool:
         waiter = self._entries.wait(task.image, task.base_commit, fut)
         self._worker.assign()
         warm = fut.done() and not fut.cancelled() and fut.exception() is None
-        if warm:
-            self.counters.warm_hits += 1
         try:
             return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic())), warm
         except BaseException as exc:  # cancelled, timed out or failed: never leak a slot
