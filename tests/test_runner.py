@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from sandpool.core import Outcome, errors
+from sandpool.core import Outcome, RolloutResult, errors
 from sandpool.core.backends.local import LocalBackend
 from sandpool.envs.policies import ChatPolicy, NoopPolicy, OraclePolicy, get_policy
 from sandpool.envs.runner import run_batch
@@ -191,3 +191,28 @@ async def test_a_torn_journal_line_is_dropped_and_named_on_resume(test_images_ro
     assert report.ttfc.n == 1 and len(report.warnings) == 1 and "line 2 dropped" in report.warnings[0]
     assert [json.loads(x)["rollout"] for x in results.read_text().splitlines()] == [0, 1]
     assert (tmp_path / "rollouts.jsonl.torn").read_text() == lines[1][: len(lines[1]) // 2] + "\n"
+
+
+async def test_resume_on_a_journal_of_another_run_counts_only_the_requested_rollouts(
+        test_images_root, calc_task, tmp_path):
+    results = tmp_path / "rollouts.jsonl"
+    ran = [RolloutResult(task_id=calc_task.instance_id, rollout=i, outcome=Outcome.COMPLETED,
+                         reward=1.0, policy="oracle") for i in range(3)]
+    ran.append(RolloutResult(task_id="another-task", rollout=0, outcome=Outcome.COMPLETED,
+                             reward=0.0, policy="noop"))
+    results.write_text("".join(r.model_dump_json() + "\n" for r in ran))  # 3 rollouts + a task
+    report = await run_batch([calc_task], [OraclePolicy()], LocalBackend(test_images_root),
+                             rollouts_per_task=1, concurrency=1, results_path=results, resume=True)
+    assert [(r.task_id, r.rollout) for r in report.rollouts] == [(calc_task.instance_id, 0)]
+    assert report.failures["completed"] == 1 and report.unaccounted == 0
+    assert report.ttfc.n == 0  # rollout 0 was journaled: nothing ran
+    assert "= 1 of 1 requested" in report.render_text() and "UNACCOUNTED" not in report.render_text()
+    assert len(report.warnings) == 1 and "3 journaled result(s) are not part of this run" in report.warnings[0]
+    assert len(results.read_text().splitlines()) == 4  # the other run's results are kept
+
+    other = calc_task.model_copy(update={"instance_id": "calc__calc-2"})  # another task set
+    report = await run_batch([other], [OraclePolicy()], LocalBackend(test_images_root),
+                             rollouts_per_task=1, concurrency=1, results_path=results, resume=True)
+    assert [(r.task_id, r.outcome) for r in report.rollouts] == [("calc__calc-2", Outcome.COMPLETED)]
+    assert report.unaccounted == 0 and report.ttfc.n == 1
+    assert "4 journaled result(s) are not part of this run" in report.warnings[0]

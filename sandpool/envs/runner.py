@@ -71,8 +71,11 @@ async def run_batch(
         grade_timeout: Seconds for the grading test run.
         results_path: JSONL journal each result is appended to as it completes.
         resume: Keep the results already in ``results_path`` and run only the missing
-            rollouts. A torn or malformed line (a run killed mid-write) is dropped, kept in
-            ``<results_path>.torn`` and named in ``report.warnings``.
+            rollouts. Journaled results this run does not request (other tasks, rollout
+            indexes from ``rollouts_per_task`` on) stay in the file but are not counted, and
+            ``report.warnings`` says how many. A torn or malformed line (a run killed
+            mid-write) is dropped, kept in ``<results_path>.torn`` and named in
+            ``report.warnings``.
         rejected: Rows rejected before the run (bad rows): each counts as ``rollouts_per_task``
             rejected rollouts, and as a task of the workload.
         rows: 1-based row number of each task id in its tasks file, for the report.
@@ -98,9 +101,22 @@ async def run_batch(
     warnings: list[str] = []
     done: set[tuple[str, int]] = set()
     if resume and results_path is not None and results_path.exists():
+        # Only what this run requests counts: a journal of a run of another shape (other
+        # tasks, more rollouts) must not inflate the report past what was asked for.
+        requested = ({t.instance_id for t in tasks} | {rt.task_id for rt in rejected if rt.task_id}
+                     | {f"<row {rt.row}>" for rt in rejected})
+        outside: list[RolloutResult] = []
         for r in read_journal(results_path, warnings):
+            if r.task_id not in requested or r.rollout >= k:
+                outside.append(r)
+                continue
             results.append(r)
             done.add((r.task_id, r.rollout))
+        if outside:
+            warnings.append(
+                f"{results_path.name}: {len(outside)} journaled result(s) are not part of this run "
+                f"(e.g. rollout {outside[0].rollout} of {outside[0].task_id}: another task, or a "
+                f"rollout index beyond --rollouts {k}); kept in the file, not counted")
     sink = results_path.open("a") if results_path is not None else None
     resumed = len(results)
     tel = NO_METRICS  # the pool's telemetry once it is open
