@@ -41,7 +41,7 @@ _COMPONENT = {"apiserver_restart": "kube-apiserver", "apf_429": "kube-apiserver"
 
 
 async def _orphans(backend: KubernetesBackend, namespace: str, run_id: str) -> dict[str, int]:
-    http = await backend._ensure_client()
+    http = await backend._client()
     sel = f"labelSelector=sandpool.io/run-id%3D{run_id}"
     out = {}
     for key, path in (("pods", f"/api/v1/namespaces/{namespace}/pods"),
@@ -86,7 +86,7 @@ async def run_k8s_fault(fault: str, kubeconfig: Path, run_dir: Path, work: Path,
     async def inject() -> None:
         await started.wait()
         sb = victim[0]
-        http = await backend._ensure_client()
+        http = await backend._client()
         if fault == "pod_deleted":
             await http.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{sb.pod}",
                                body={"gracePeriodSeconds": 0})

@@ -92,7 +92,7 @@ async def scrape(backend: KubernetesBackend) -> tuple[Counter, int]:
 
 async def scrape_all(backend: KubernetesBackend) -> tuple[Counter, int, float]:
     """Requests by verb, pods created, and the etcd database size (bytes) the apiserver sees."""
-    http = await backend._ensure_client()
+    http = await backend._client()
     async with http.session.get(http.url("/metrics"), headers=await http.headers()) as resp:
         text = await resp.text()
     by_verb: Counter = Counter()
@@ -222,7 +222,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
     backend = make_backend()
     closed: list[dict] = []
     strategy = {"pods": "cold", "warm": "warm", "reuse": "reuse"}[name]
-    http = await admin._ensure_client()
+    http = await admin._client()
     await http.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})
     await asyncio.sleep(1.0)  # the service-account controller makes "default" (pods need it)
 
@@ -258,7 +258,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
                 backend.prepull(plan.windows[wi + 1], name=f"w{wi + 1}"))
         wbackend = make_backend() if plan and len(plan.windows) > 1 else backend
         if wbackend is not backend:
-            wbackend._node_of.update(plan.node_of)
+            wbackend.pin_nodes(plan.node_of)
         async with SandboxPool(wbackend, strategy, limits) as pool:
             wtasks = [tasks[i] for i in window]
             # reuse: one sandbox per image, its rollouts back to back on it (the pool's
@@ -285,8 +285,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
               f"{time.monotonic() - t0:.0f} s", flush=True)
     wall = time.monotonic() - t0
     stats = backend.api_stats
-    if not backend._closed:
-        await backend.aclose()
+    await backend.aclose()
     for st in closed:  # the windows' backends
         stats["writes"] += st["writes"]
         stats["execs"] += st["execs"]

@@ -36,7 +36,7 @@ from sandpool.testing.kwok import exec_prefix
 
 async def run_channel(channel: str, args, kubeconfig: Path, source: Path, admin) -> dict:
     namespace = f"bench-exec-{channel}-{uuid.uuid4().hex[:6]}"
-    http = await admin._ensure_client()
+    http = await admin._client()
     await http.request("POST", "/api/v1/namespaces", body={"metadata": {"name": namespace}})
     await asyncio.sleep(1.0)  # the service-account controller makes "default" (pods need it)
     be = KubernetesBackend(

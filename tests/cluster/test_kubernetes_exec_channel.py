@@ -241,7 +241,7 @@ async def test_a_user_throttled_by_api_priority_and_fairness_gets_429s_retried_a
 
     try:
         async with SandboxPool(be, "cold", metrics=metrics) as pool:
-            http = await be._ensure_client()
+            http = await be._client()
             lists = await asyncio.gather(*(http.request("GET", f"/api/v1/namespaces/{namespace}/pods")
                                            for _ in range(10)))
             assert all(body["kind"] == "PodList" for body in lists)

@@ -20,9 +20,10 @@ async def test_a_claim_adopts_the_session_opened_on_its_warm_pod(cluster, namesp
         async with SandboxPool(be, "warm") as pool:
             await pool.prepare([task], concurrency=3, rollouts_per_task=3)
             # Three warm pods, three sessions: opened while nobody has claimed.
-            await until(lambda: len(be._pre) == 3 and all(p.task.done() for p in be._pre.values()),
+            pre = be._presessions
+            await until(lambda: len(pre) == 3 and all(t.done() for t in pre.pending.values()),
                         "a session opened on each warm pod")
-            opened = {name: p.task.result() for name, p in be._pre.items()}
+            opened = {name: t.result() for name, t in pre.pending.items()}
             assert all(s is not None and s.alive for s in opened.values())
             seen = set()
             for i in range(3):
@@ -36,8 +37,8 @@ async def test_a_claim_adopts_the_session_opened_on_its_warm_pod(cluster, namesp
                     assert res.text.split() == [first, "/testbed"]
                     await lease.write_file("x.txt", b"y")
                     assert await lease.read_file("x.txt") == b"y"
-            assert len(be._pre) <= 3  # the warm pool's refills get sessions too, within the cap
+            assert len(pre) <= 3  # the warm pool's refills get sessions too, within the cap
         # Closing the pool closes the sessions nobody adopted.
-        assert be._pre == {} and not be._pre_closing
+        assert len(pre) == 0 and not pre.closing
     finally:
         await be.aclose()

@@ -1,13 +1,17 @@
 """The Kubernetes backend: agent-sandbox (v1beta1) warm pools and claims, or plain pods.
 
-Layout: :mod:`.backend` (the backend: shared state, create/delete/close) assembled from its
-seams :mod:`._claims` (templates, warm pools, claims), :mod:`._pods` (plain pods, pod
-status), :mod:`._preflight` and :mod:`._gc`; :mod:`._sandbox` (the sandbox) over
-:mod:`._exec` (the exec channel protocol and the in-pod command wrapper), :mod:`._service`
-(a long-lived service per pod) and :mod:`._portforward` (a connection to a pod's port); :mod:`._http`
-(REST/watch/exec over one session, throttled and retried), :mod:`._errors` (the one
-error-translation boundary), :mod:`._watch` (the shared watch per resource),
-:mod:`._manifests` (the objects sent). The kwok test cluster's pieces live in
+Layout: :mod:`.backend` (the backend: its options, the wiring of its parts, create/delete/
+close) over its parts, each given what it uses: :mod:`._http` (REST/watch/exec over one
+session, throttled and retried; :mod:`._kubeconfig` loads its client), :mod:`._watch` (the
+shared watch per resource), :mod:`._images` (task image -> pod spec), :mod:`._claims`
+(templates, warm pools, claims, Sandbox objects), :mod:`._pods` (plain pods, pod status),
+:mod:`._live` (a Ready pod made a sandbox, its death), :mod:`._presession` (sessions opened
+on warm pods), :mod:`._prepull` (placement, :mod:`._placement`, and prepull),
+:mod:`._preflight` and :mod:`._gc` (deletes by object and by run id). The sandbox:
+:mod:`._sandbox` over :mod:`._session` (the agent's exec stream) and :mod:`._exec` (one exec
+per command), :mod:`._service` (a long-lived service per pod) and :mod:`._portforward` (a
+connection to a pod's port). :mod:`._errors` is the one error-translation boundary and
+:mod:`._manifests` the objects sent. The kwok test cluster's pieces live in
 :mod:`sandpool.testing.kwok`.
 
 The client library (``kubernetes_asyncio``, with ``aiohttp``; the ``sandpool[kubernetes]``

@@ -1,26 +1,23 @@
-"""agent-sandbox claims: one SandboxTemplate and one SandboxWarmPool per image, one
-SandboxClaim per sandbox, and the waits on their status.
-
-:class:`ClaimsMixin` is part of :class:`~.backend.KubernetesBackend` (it uses the backend's
-client, watches and image map); it is split out so each seam reads on its own.
+"""agent-sandbox objects: one SandboxTemplate and one SandboxWarmPool per image, one
+SandboxClaim per sandbox (or, for reused sandboxes, one Sandbox object each), and the waits
+on their status.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes import _manifests as m
+from sandpool.core.backends.kubernetes._http import KubeHttp
+from sandpool.core.backends.kubernetes._images import PodImages
 from sandpool.core.backends.kubernetes._manifests import ns_path
 from sandpool.core.backends.kubernetes._pods import cond, pod_start_failure
-from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
+from sandpool.core.backends.kubernetes._watch import Informer
 
-if TYPE_CHECKING:
-    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
-
-__all__ = ["ClaimsMixin"]
+__all__ = ["Claims"]
 
 # Claim Ready=False reasons that never resolve by waiting.
 _CLAIM_TERMINAL = frozenset(
@@ -36,49 +33,109 @@ _CLAIM_TERMINAL = frozenset(
 )
 
 
-class ClaimsMixin:
-    """The agent-sandbox seam of :class:`~.backend.KubernetesBackend`."""
+class Claims:
+    """The agent-sandbox objects of one run.
 
-    async def hydrate(self: KubernetesBackend, image: str) -> None:
-        """Validate ``image`` and (agent-sandbox mode) create its SandboxTemplate once.
+    Args:
+        http: The HTTP layer.
+        namespace: Where the objects are.
+        run_id: The run-id label value (and part of every object name).
+        images: Task image -> PodImage and PodSpec.
+        claims: The run's shared SandboxClaim watch (started before a claim is awaited).
+        warmpools: The run's shared SandboxWarmPool watch (likewise for :meth:`wait_warm`).
+        pods: The run's shared pod watch (a cold-started claim's pod failure shows there).
+        ready_timeout: Seconds a claim may take to be Ready.
+        reuse_spares: With a reusing strategy, warm (unclaimed) replicas kept per image.
+        sandbox_objects: With a reusing strategy, make each sandbox a Sandbox object.
+    """
 
-        With ``sandbox_objects`` the template is made only when a warm pool needs it (a
-        reusing strategy's Sandbox objects carry their pod template themselves).
+    def __init__(
+        self,
+        http: KubeHttp,
+        namespace: str,
+        run_id: str,
+        images: PodImages,
+        *,
+        claims: Informer,
+        warmpools: Informer,
+        pods: Informer,
+        ready_timeout: float,
+        reuse_spares: int,
+        sandbox_objects: bool,
+    ) -> None:
+        self._http = http
+        self.namespace = namespace
+        self.run_id = run_id
+        self._images = images
+        self._claims = claims
+        self._warmpools = warmpools
+        self._pods = pods
+        self.ready_timeout = ready_timeout
+        self.reuse_spares = reuse_spares
+        self.sandbox_objects = sandbox_objects
+        self._templates: dict[str, str] = {}  # image -> template name
+        self._pools: dict[str, tuple[str, int]] = {}  # image -> (warm pool name, replicas)
+        self._pool_locks: dict[str, asyncio.Lock] = {}
+        self._image_of_key: dict[str, str] = {}  # image label value -> warm pool image
+        self._direct: set[str] = set()  # images whose sandboxes are Sandbox objects
+
+    @property
+    def warm_pools(self) -> Mapping[str, tuple[str, int]]:
+        """Image -> (SandboxWarmPool name, replicas asked) of every warm pool made."""
+        return self._pools
+
+    def object_name(self, image: str) -> str:
+        """The name of ``image``'s template and warm pool."""
+        return f"sp-{self.run_id}-{m.slug(image)}-{m.image_key(image)}"
+
+    def is_direct(self, image: str) -> bool:
+        """True when ``image``'s sandboxes are Sandbox objects (see :meth:`set_warm_target`)."""
+        return image in self._direct
+
+    def warm_pool_image(self, pod: Mapping[str, Any]) -> str | None:
+        """The image whose warm pool made ``pod`` (its Sandbox, so the pod, is named
+        ``<warm pool>-<suffix>`` by the controller), else None (a cold-started claim's pod,
+        a Sandbox object's, a prepull pod)."""
+        meta = pod.get("metadata") or {}
+        image = self._image_of_key.get((meta.get("labels") or {}).get(m.IMAGE_LABEL, ""))
+        if image is None or image not in self._pools:
+            return None
+        return image if meta.get("name", "").startswith(self._pools[image][0] + "-") else None
+
+    async def hydrate(self, image: str) -> None:
+        """Create ``image``'s SandboxTemplate once, unless its sandboxes will be Sandbox
+        objects (``sandbox_objects``: made only when a warm pool needs it).
 
         Raises:
-            ImageNotFound: See :meth:`pod_image`.
+            ImageNotFound: See :meth:`PodImages.resolve`.
             BackendUnavailable, ApiError, ConfigError: The template could not be created.
         """
-        self.pod_image(image)
-        if self.mode != "agent-sandbox" or self.sandbox_objects:
-            return
-        await self._ensure_template(image)
+        if not self.sandbox_objects:
+            await self._ensure_template(image)
 
-    async def _ensure_template(self: KubernetesBackend, image: str) -> None:
-        pi = self.pod_image(image)
+    async def _ensure_template(self, image: str) -> None:
+        pi = self._images.resolve(image)
         if image in self._templates:
             return
-        http = await self._ensure_client()
-        name = self._obj_name(image)
-        await http.request(
+        name = self.object_name(image)
+        await self._http.request(
             "POST",
             ns_path(self.namespace, m.TEMPLATE),
             ok_exists=True,
-            body=m.template(name, self.run_id, image, pi, self._pod_spec(pi, image)),
+            body=m.template(name, self.run_id, image, pi, self._images.spec(pi, image)),
         )
         self._templates[image] = name
 
-    async def _ensure_pool(self: KubernetesBackend, image: str, replicas: int | None) -> str:
+    async def _ensure_pool(self, image: str, replicas: int | None) -> str:
         """Create the image's SandboxWarmPool, or patch its replicas when they change."""
         await self._ensure_template(image)
-        http = await self._ensure_client()
         lock = self._pool_locks.setdefault(image, asyncio.Lock())
         async with lock:
             cur = self._pools.get(image)
-            name = self._obj_name(image)
+            name = self.object_name(image)
             if cur is None:
                 n = replicas or 0
-                await http.request(
+                await self._http.request(
                     "POST",
                     ns_path(self.namespace, m.WARMPOOL),
                     ok_exists=True,
@@ -87,7 +144,7 @@ class ClaimsMixin:
                 self._pools[image] = (name, n)
                 self._image_of_key[m.image_key(image)] = image
             elif replicas is not None and cur[1] != replicas:
-                await http.request(
+                await self._http.request(
                     "PATCH",
                     f"{ns_path(self.namespace, m.WARMPOOL)}/{name}",
                     body={"spec": {"replicas": replicas}},
@@ -96,35 +153,28 @@ class ClaimsMixin:
                 self._pools[image] = (name, replicas)
         return name
 
-    async def set_warm_target(self: KubernetesBackend, image: str, n: int, *, reuse: bool) -> int:
+    async def set_warm_target(self, image: str, n: int, *, reuse: bool) -> int:
         """Apply the strategy's warm target for ``image``; return how many the pool keeps itself.
 
-        agent-sandbox mode: without reuse the SandboxWarmPool holds the ``n`` warm sandboxes
-        and each claim takes one (returns 0: the pool claims per rollout); with reuse the pool
-        holds ``n`` claimed sandboxes across rollouts (returns ``n``) and the SandboxWarmPool
-        keeps only ``reuse_spares`` spares, so no pod is made that is never used.
-        pods mode: the pool keeps ``n`` warm pods itself (returns ``n``). With reuse and
+        Without reuse the SandboxWarmPool holds the ``n`` warm sandboxes and each claim takes
+        one (returns 0: the pool claims per rollout); with reuse the pool holds ``n`` claimed
+        sandboxes across rollouts (returns ``n``) and the SandboxWarmPool keeps only
+        ``reuse_spares`` spares, so no pod is made that is never used. With reuse and
         ``sandbox_objects``, the pool's ``n`` sandboxes are Sandbox objects (one write each:
         no template, warm pool or claim) and nothing is made here.
         """
-        if self.mode == "pods":
-            return n
         if reuse and self.sandbox_objects:
             self._direct.add(image)
             return n
         await self._ensure_pool(image, min(self.reuse_spares, n) if reuse else n)
         return n if reuse else 0
 
-    async def wait_warm(self: KubernetesBackend) -> None:
+    async def wait_warm(self) -> None:
         """Wait until every SandboxWarmPool of this run has its replicas Ready (shared watch).
 
         Raises:
             InfraTimeout: Not within 4 x ``ready_timeout``.
         """
-        if self.mode != "agent-sandbox" or not self._pools:
-            return
-        await self._ensure_watches()
-        assert self._warmpools is not None
 
         def filled(want: int) -> Callable[[dict[str, Any] | None], bool | None]:
             return lambda o: (
@@ -152,51 +202,44 @@ class ClaimsMixin:
                 f"(e.g. {short[:3]})"
             ) from None
 
-    async def _create_claim(self: KubernetesBackend, image: str, n: int) -> KubernetesSandbox:
-        """Claim ``sp-<run>-c<n>`` on the image's warm pool; return its sandbox once Ready."""
-        http = await self._ensure_client()
+    async def create_claim(self, image: str, n: int) -> str:
+        """Claim ``sp-<run>-c<n>`` on the image's warm pool; return the claim's name (not
+        waiting: see :meth:`wait_bound`)."""
         pool = await self._ensure_pool(image, None)
         claim_name = f"sp-{self.run_id}-c{n}"
-        await http.request(
+        await self._http.request(
             "POST",
             ns_path(self.namespace, m.CLAIM),
             body=m.claim(claim_name, self.run_id, image, pool),
         )
-        try:
-            sandbox_name = await self._await_claim(claim_name)
-            return await self._await_pod(
-                image, sandbox_name, claim_name, claim_name, owner=(m.CLAIM, claim_name)
-            )
-        except BaseException:
-            await self._delete_object(m.CLAIM, claim_name)
-            raise
+        return claim_name
 
-    async def _create_sandbox_object(
-        self: KubernetesBackend, image: str, n: int
-    ) -> KubernetesSandbox:
+    async def create_sandbox(self, image: str, n: int) -> str:
         """Create Sandbox ``sp-<run>-s<n>`` (the controller makes its pod of the same name);
-        return it once its pod is Ready."""
-        http = await self._ensure_client()
+        return its name (not waiting)."""
         name = f"sp-{self.run_id}-s{n}"
-        pi = self.pod_image(image)
-        await http.request(
+        pi = self._images.resolve(image)
+        await self._http.request(
             "POST",
             ns_path(self.namespace, m.SANDBOX),
-            body=m.sandbox(name, self.run_id, image, pi, self._pod_spec(pi, image)),
+            body=m.sandbox(name, self.run_id, image, pi, self._images.spec(pi, image)),
         )
-        try:
-            return await self._await_pod(image, name, name, None, owner=(m.SANDBOX, name))
-        except BaseException:
-            await self._delete_object(m.SANDBOX, name)
-            raise
+        return name
 
-    async def _await_claim(self: KubernetesBackend, claim_name: str) -> str:
-        assert self._claims is not None and self._pods is not None
+    async def wait_bound(self, claim_name: str) -> str:
+        """Wait until claim ``claim_name`` is Ready; return its sandbox's (so its pod's) name.
+
+        Raises:
+            SandboxStartError: The claim failed for good (a terminal Ready=False reason), was
+                deleted, or its cold-started pod will never start.
+            InfraTimeout: Not Ready within ``ready_timeout``.
+        """
+        claims, pods = self._claims, self._pods
         seen = False
 
-        def check(_: object) -> str | None:
+        def check() -> str | None:
             nonlocal seen
-            obj = self._claims.get(claim_name)  # type: ignore[union-attr]
+            obj = claims.get(claim_name)
             if obj is None:
                 if seen:
                     raise errors.SandboxStartError(
@@ -217,7 +260,7 @@ class ClaimsMixin:
             if ready is not None and ready.get("status") == "True" and name:
                 return name
             # A cold-started claim's pod is named after the claim: surface its failure early.
-            pod = self._pods.get(claim_name)  # type: ignore[union-attr]
+            pod = pods.get(claim_name)
             if pod is not None and (why := pod_start_failure(pod)):
                 raise errors.SandboxStartError(
                     f"SandboxClaim {claim_name}: pod {claim_name}: {why}"
@@ -230,23 +273,19 @@ class ClaimsMixin:
             if fut.done():
                 return
             try:
-                value = check(None)
+                value = check()
             except errors.SandpoolError as exc:
                 fut.set_exception(exc)
                 return
             if value is not None:
                 fut.set_result(value)
 
-        offs = [
-            self._claims.subscribe(claim_name, on_change),
-            self._pods.subscribe(claim_name, on_change),
-        ]
+        offs = [claims.subscribe(claim_name, on_change), pods.subscribe(claim_name, on_change)]
         try:
             on_change(None)
             return await asyncio.wait_for(fut, self.ready_timeout)
         except TimeoutError:
-            obj = self._claims.get(claim_name)
-            ready = cond(obj, "Ready") or {}
+            ready = cond(claims.get(claim_name), "Ready") or {}
             raise errors.InfraTimeout(
                 f"SandboxClaim {claim_name} was not Ready within {self.ready_timeout:.0f} s "
                 f"(last: {ready.get('reason', 'no status')}: {ready.get('message', '')})".rstrip()
@@ -254,4 +293,3 @@ class ClaimsMixin:
         finally:
             for off in offs:
                 off()
-

@@ -25,12 +25,15 @@ import aiohttp
 from aiolimiter import AsyncLimiter
 
 from sandpool.core import errors
-from sandpool.core.telemetry import NO_METRICS, Telemetry
 from sandpool.core.backends.kubernetes._errors import RETRY_STATUSES, Channel, for_status, translate
+from sandpool.core.backends.kubernetes._kubeconfig import load_api_client
+from sandpool.core.telemetry import NO_METRICS, Telemetry
 
 __all__ = ["KubeHttp", "Throttle", "backoff_delay", "parse_retry_after"]
 
 _WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
 def parse_retry_after(value: str | None, *, cap: float = 30.0) -> float | None:
     """Seconds to wait from a ``Retry-After`` header (delta-seconds form), capped; else None."""
     if not value:
@@ -122,24 +125,30 @@ def _write_key(method: str, path: str) -> str:
 class KubeHttp:
     """REST, watch and exec requests to one kube-apiserver.
 
+    Usage: ``http = KubeHttp(None, Throttle(50, 100, 64), kubeconfig=path)``; the first
+    request loads the kubeconfig (or ``await http.open()``); ``await http.aclose()`` at the end.
+
     Args:
-        api_client: A ``kubernetes_asyncio.client.ApiClient`` built from the kubeconfig; its
-            aiohttp session (TLS, connection pool) carries every request.
+        api_client: A ``kubernetes_asyncio.client.ApiClient`` built from the kubeconfig, whose
+            aiohttp session (TLS, connection pool) carries every request; None builds one
+            from ``kubeconfig`` at :meth:`open`.
         throttle: Write rate and in-flight bounds.
+        kubeconfig: The kubeconfig path (None: ``$KUBECONFIG`` or ``~/.kube/config``).
         retries: Retries after the first attempt on 429/5xx/connection errors.
         request_timeout: Seconds one REST request may take.
     """
 
     def __init__(
         self,
-        api_client: Any,
+        api_client: Any | None,
         throttle: Throttle,
         *,
+        kubeconfig: str | None = None,
         retries: int = 6,
         request_timeout: float = 30.0,
     ) -> None:
         self.api_client = api_client
-        self.host = api_client.configuration.host.rstrip("/")
+        self.kubeconfig = kubeconfig
         self.throttle = throttle
         self.retries = retries
         self.request_timeout = request_timeout
@@ -150,6 +159,33 @@ class KubeHttp:
         self.execs = 0  #: exec streams opened
         self.retried = 0  #: attempts that were retried
         self.telemetry: Telemetry = NO_METRICS  #: the pool's series (writes, retries)
+        self._open_lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def host(self) -> str:
+        """The API server's URL (empty before :meth:`open`)."""
+        return "" if self.api_client is None else self.api_client.configuration.host.rstrip("/")
+
+    async def open(self) -> None:
+        """Build the client from the kubeconfig, once; every request calls it first.
+
+        Raises:
+            BackendUnavailable: The kubeconfig is missing or cannot be used (its path named).
+            PoolClosed: After :meth:`aclose`.
+        """
+        if self._closed:
+            raise errors.PoolClosed("this Kubernetes client was closed; make a new one")
+        if self.api_client is None:
+            async with self._open_lock:
+                if self.api_client is None:
+                    self.api_client = await load_api_client(self.kubeconfig)
+
+    async def aclose(self) -> None:
+        """Close the client's connections; idempotent."""
+        self._closed = True
+        if self.api_client is not None:
+            await self.api_client.close()
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -196,6 +232,7 @@ class KubeHttp:
             ConfigError: 400/422, the server rejected the object.
             InfraTimeout: No answer within ``request_timeout`` on every attempt.
         """
+        await self.open()
         method = method.upper()
         write = method in _WRITE_VERBS
         what = f"{method} {path}"
@@ -257,6 +294,7 @@ class KubeHttp:
             ApiError, BackendUnavailable, ...: As :meth:`request`; a 410 Gone is raised as
                 :class:`ApiError` with ``status=410`` for the caller to re-list.
         """
+        await self.open()
         what = f"WATCH {path}"
         q = dict(query, watch="true", allowWatchBookmarks="true")
         try:
@@ -320,6 +358,7 @@ class KubeHttp:
                 and connection errors); an infra error, so the rollout is retried, never scored.
             BackendUnavailable: 401/403.
         """
+        await self.open()
         url = self.host.replace("https://", "wss://", 1).replace("http://", "ws://", 1)
         url += path + "?" + urlencode(query)
         what = f"EXEC {path}"

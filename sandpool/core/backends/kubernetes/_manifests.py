@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sandpool.core import errors
+
 __all__ = [
     "CLAIM",
     "EXT_GROUP",
@@ -22,6 +24,7 @@ __all__ = [
     "TEMPLATE",
     "VERSION",
     "WARMPOOL",
+    "check_run_id",
     "claim",
     "image_key",
     "ns_path",
@@ -75,6 +78,20 @@ class PodImage:
     workdir_source: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     head: str | None = None
+
+
+def check_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it can be a label value and part of object names.
+
+    Raises:
+        ConfigError: It is not 1-16 lower-case letters, digits or '-' (starting and ending
+            with a letter or digit).
+    """
+    if not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?", run_id):
+        raise errors.ConfigError(
+            f"run_id={run_id!r} must be 1-16 lower-case letters, digits or '-'"
+        )
+    return run_id
 
 
 def image_key(image: str) -> str:

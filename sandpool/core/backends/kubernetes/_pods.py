@@ -1,38 +1,21 @@
-"""Plain pods: what a pod's status means (Ready, a start that will never succeed, death),
-the ``pods`` mode's create, and the wait that turns a Ready pod into a sandbox.
-
-:class:`PodsMixin` is part of :class:`~.backend.KubernetesBackend` (it uses the backend's
-client, pod watch and image map); it is split out so each seam reads on its own.
+"""Pods: what a pod's status means (Ready, a start that will never succeed, death), the
+``pods`` mode's plain pods, and the wait for a pod to be Ready (on the shared pod watch).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import re
 from collections.abc import Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes import _manifests as m
-from sandpool.core.backends.kubernetes._exec import ExecTarget
-from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
-from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
-from sandpool.core.backends.kubernetes._service import start_service
-from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
+from sandpool.core.backends.kubernetes._http import KubeHttp
+from sandpool.core.backends.kubernetes._images import PodImages
+from sandpool.core.backends.kubernetes._manifests import ns_path
+from sandpool.core.backends.kubernetes._watch import Informer
 
-if TYPE_CHECKING:
-    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
-
-__all__ = ["PodsMixin", "cond", "pod_death", "pod_ready", "pod_start_failure"]
-
-log = logging.getLogger("sandpool.kubernetes")
-# OCI reference: [host[:port]/]path[:tag][@digest], lower-case path components.
-_IMAGE_REF = re.compile(
-    r"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?[a-z0-9]+(?:[._-]+[a-z0-9]+)*(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*"
-    r"(?::[\w][\w.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
-)
+__all__ = ["Pods", "cond", "pod_death", "pod_ready", "pod_start_failure"]
 
 _START_FAIL_WAITING = frozenset(
     {
@@ -46,10 +29,10 @@ _START_FAIL_WAITING = frozenset(
         "CrashLoopBackOff",
     }
 )
-# Claim Ready=False reasons that never resolve by waiting.
 
 
 def cond(obj: Mapping[str, Any] | None, ctype: str) -> Mapping[str, Any] | None:
+    """The condition of type ``ctype`` in ``obj``'s status, or None."""
     for c in ((obj or {}).get("status") or {}).get("conditions") or []:
         if c.get("type") == ctype:
             return c
@@ -108,71 +91,47 @@ def pod_death(pod: Mapping[str, Any] | None, uid: str) -> str | None:
     return None
 
 
-class PodsMixin:
-    """The pod seam of :class:`~.backend.KubernetesBackend`: what an image becomes in a pod,
-    create a plain pod, wait for a pod to be Ready, delete objects."""
+class Pods:
+    """Plain pods of one run, and the wait for any of its pods to be Ready.
 
-    def pod_image(self: KubernetesBackend, image: str) -> PodImage:
-        """Resolve task image ``image`` through ``image_map`` and validate it.
+    Args:
+        http: The HTTP layer.
+        namespace: Where the pods are.
+        run_id: The run-id label value.
+        images: Task image -> PodImage and PodSpec.
+        watch: The run's shared pod watch (started before :meth:`wait_ready`).
+        ready_timeout: Seconds a pod may take to become Ready.
+    """
 
-        Raises:
-            ImageNotFound: Not in the map, an invalid image reference, or a missing
-                ``workdir_source`` directory.
-        """
-        if image in self._images:
-            return self._images[image]
-        if self.image_map is None:
-            pi = PodImage(image)
-        elif callable(self.image_map):
-            pi = self.image_map(image)
-        else:
-            try:
-                pi = self.image_map[image]
-            except KeyError:
-                raise errors.ImageNotFound(
-                    f"image {image!r} is not in the backend's image_map"
-                ) from None
-        if not _IMAGE_REF.match(pi.image):
-            raise errors.ImageNotFound(
-                f"image {image!r} maps to {pi.image!r}, which is not a valid container image "
-                "reference ([registry/]path[:tag][@sha256:digest], lower-case path)"
-            )
-        if pi.workdir_source is not None and not Path(pi.workdir_source).is_dir():
-            raise errors.ImageNotFound(
-                f"image {image!r}: workdir_source {pi.workdir_source} is not a directory; build the "
-                "image first (sandpool build-pack) or fix the image_map"
-            )
-        self._images[image] = pi
-        return pi
+    def __init__(
+        self, http: KubeHttp, namespace: str, run_id: str, images: PodImages, watch: Informer,
+        ready_timeout: float,
+    ) -> None:
+        self._http = http
+        self.namespace = namespace
+        self.run_id = run_id
+        self._images = images
+        self._watch = watch
+        self.ready_timeout = ready_timeout
 
-    async def _create_pod(self: KubernetesBackend, image: str, n: int) -> KubernetesSandbox:
-        """``pods`` mode: create pod ``sp-<run>-p<n>`` of ``image`` and wait until it is Ready."""
-        http = await self._ensure_client()
+    async def create(self, image: str, n: int) -> str:
+        """Create plain pod ``sp-<run>-p<n>`` of ``image``; return its name (not waiting)."""
         pod_name = f"sp-{self.run_id}-p{n}"
-        pi = self.pod_image(image)
-        await http.request(
+        pi = self._images.resolve(image)
+        await self._http.request(
             "POST",
             ns_path(self.namespace, "pods"),
-            body=m.pod(pod_name, self.run_id, image, pi, self._pod_spec(pi, image)),
+            body=m.pod(pod_name, self.run_id, image, pi, self._images.spec(pi, image)),
         )
-        try:
-            return await self._await_pod(image, pod_name, pod_name, None, owner=("pods", pod_name))
-        except BaseException:
-            await self._delete_object("pods", pod_name)
-            raise
+        return pod_name
 
-    async def _await_pod(
-        self: KubernetesBackend,
-        image: str,
-        pod_name: str,
-        sid: str,
-        claim: str | None,
-        *,
-        owner: tuple[str, str],
-    ) -> KubernetesSandbox:
-        """Wait for ``pod_name`` to be Ready; return its sandbox, deleted later through
-        ``owner`` (resource, name: the claim, Sandbox object or pod)."""
-        assert self._pods is not None
+    async def wait_ready(self, pod_name: str) -> dict[str, Any]:
+        """Wait for pod ``pod_name`` to be Ready (and not being deleted); return it.
+
+        Raises:
+            SandboxStartError: The pod will never start (:func:`pod_start_failure`).
+            InfraTimeout: Not Ready within ``ready_timeout``.
+        """
 
         def check(pod: dict[str, Any] | None) -> dict[str, Any] | None:
             if pod is None:
@@ -184,148 +143,8 @@ class PodsMixin:
             return None
 
         try:
-            pod = await self._pods.wait(pod_name, check, self.ready_timeout)
+            return await self._watch.wait(pod_name, check, self.ready_timeout)
         except TimeoutError:
             raise errors.InfraTimeout(
                 f"pod {self.namespace}/{pod_name} was not Ready within {self.ready_timeout:.0f} s"
             ) from None
-        pi = self.pod_image(image)
-        try:
-            prefix = tuple(self.exec_prefix(pod, pi.workdir, False)) if self.exec_prefix else ()
-            session_prefix = (
-                tuple(self.exec_prefix(pod, pi.workdir, True)) if self.exec_prefix else ()
-            )
-        except (KeyError, ValueError) as exc:
-            raise errors.SandboxStartError(f"pod {pod_name}: exec_prefix: {exc}") from None
-        target = ExecTarget(
-            namespace=self.namespace,
-            pod=pod_name,
-            container=self.container,
-            sandbox_id=f"{self.run_id}-{sid}",
-            workdir=pi.workdir,
-            prefix=prefix,
-            session_prefix=session_prefix,
-        )
-        sb = KubernetesSandbox(
-            self, target.sandbox_id, image, target, pod["metadata"]["uid"], claim
-        )
-        sb.head = pi.head
-        sb.owner = owner
-        self._live[sb.id] = sb
-        self._by_pod[pod_name] = sb
-        if why := pod_death(self._pods.get(pod_name), sb.pod_uid):
-            sb._mark_dead(why)
-        elif not self.agent:
-            self._exec_fallback(sb, "agent_off")
-        elif image in self._agent_unavailable:
-            self._exec_fallback(sb, "agent_unavailable")
-        else:
-            try:
-                await self._open_session(sb)
-            except BaseException:  # the caller deletes its object; this sandbox never was
-                self._live.pop(sb.id, None)
-                self._by_pod.pop(pod_name, None)
-                raise
-        if self.service is not None:  # while the pool warms: the claim finds it running
-            try:
-                await start_service(sb, self.service)
-            except BaseException:  # as above; the session (and the service with it) ends
-                sb._mark_dead("its service did not start")
-                await sb._close_session()
-                self._live.pop(sb.id, None)
-                self._by_pod.pop(pod_name, None)
-                raise
-        return sb
-
-    def _exec_fallback(self: KubernetesBackend, sb: KubernetesSandbox, reason: str) -> None:
-        """Record that ``sb`` runs its commands as one pod exec each: counted per sandbox in
-        ``api_stats["fallback_sandboxes"]`` and ``sandpool_kube_exec_fallbacks_total{reason}``,
-        logged (debug) per sandbox; the per-image warning is :meth:`_open_session`'s."""
-        self.fallback_sandboxes += 1
-        self.telemetry.exec_fallback(reason)
-        if reason == "agent_off" and self.fallback_sandboxes == 1:
-            log.info("agent=False: every command of run %s's sandboxes opens a pod exec (an "
-                     "API-server stream)", self.run_id)
-        log.debug("sandbox %s (pod %s): one pod exec per command (%s)", sb.id, sb.pod, reason)
-
-    async def _open_session(self: KubernetesBackend, sb: KubernetesSandbox) -> None:
-        """Start ``sb``'s agent session; on failure fall back to one exec per command (logged
-        once per image, counted in ``api_stats["agent_fallbacks"]``). A session opened on the
-        pod while it waited in its warm pool (:mod:`._presession`) is adopted instead."""
-        if self._pre and (pre := await self._take_presession(sb.pod, sb.pod_uid)) is not None:
-            pre.client.name = sb.id
-            sb._session = pre
-            sb.protocol = pre.protocol
-            return
-        session = AgentSession(self._http, sb._target, sb.id, self.agent_python)
-        try:
-            await session.start(self.agent_timeout)
-        except AgentUnavailable as exc:
-            if sb._dead is not None:
-                raise sb._died() from None
-            self._agent_unavailable[sb.image] = str(exc)
-            self.agent_fallbacks += 1
-            log.warning(
-                "image %s: sandpool's agent cannot run in its pods (%s); its sandboxes fall "
-                "back to one pod exec per command (each command opens an API-server stream)",
-                sb.image,
-                exc,
-            )
-            self._exec_fallback(sb, "agent_unavailable")
-            return
-        sb._session = session
-        sb.protocol = session.protocol
-
-    async def _delete_object(self: KubernetesBackend, resource: str, name: str) -> None:
-        """Delete one object now, or (``delete_batch_s``) with others of its resource in one
-        collection delete by ``sandpool.io/obj in (...)`` within that many seconds."""
-        if self.delete_batch_s is not None:
-            self._pending_deletes.setdefault(resource, set()).add(name)
-            if self._flusher is None or self._flusher.done():
-                self._flusher = asyncio.create_task(self._flush_deletes_later())
-            return
-        http = await self._ensure_client()
-        query = {"propagationPolicy": "Background"}
-        if resource == "pods":
-            query["gracePeriodSeconds"] = "0"
-        try:
-            await http.request(
-                "DELETE",
-                f"{ns_path(self.namespace, resource)}/{name}",
-                query=query,
-                ok_missing=True,
-            )
-        except errors.InfraError as exc:  # gc by run id removes what this could not
-            self._log_delete_failure(resource, name, exc)
-
-    def _log_delete_failure(self: KubernetesBackend, resource: str, name: str, exc: Exception) -> None:
-        log.warning(
-            "deleting %s/%s failed: %s (sandpool gc --run-id %s removes it)",
-            resource, name, exc, self.run_id,
-        )
-
-    async def _flush_deletes_later(self: KubernetesBackend) -> None:
-        await asyncio.sleep(self.delete_batch_s or 0)
-        await self._flush_deletes()
-
-    async def _flush_deletes(self: KubernetesBackend) -> None:
-        """Send every pending delete: one collection delete per resource per 100 names."""
-        pending, self._pending_deletes = self._pending_deletes, {}
-        http = await self._ensure_client()
-        for resource, names in pending.items():
-            ordered = sorted(names)
-            for i in range(0, len(ordered), 100):
-                chunk = ordered[i : i + 100]
-                query = {
-                    "labelSelector": f"{m.RUN_ID_LABEL}={self.run_id},"
-                    f"{m.OBJ_LABEL} in ({','.join(chunk)})",
-                    "propagationPolicy": "Background",
-                }
-                if resource == "pods":
-                    query["gracePeriodSeconds"] = "0"
-                try:
-                    await http.request(
-                        "DELETE", ns_path(self.namespace, resource), query=query, ok_missing=True
-                    )
-                except errors.InfraError as exc:
-                    self._log_delete_failure(resource, f"{{{len(chunk)} objects}}", exc)

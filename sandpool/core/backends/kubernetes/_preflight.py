@@ -1,25 +1,21 @@
-"""Preflight: check the cluster can run the backend, and say what to fix in one sentence.
-
-:class:`PreflightMixin` is part of :class:`~.backend.KubernetesBackend`; it is split out so
-each seam reads on its own.
-"""
+"""Preflight: check the cluster can run the backend, and say what to fix in one sentence."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import re
-from typing import TYPE_CHECKING
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes import _manifests as m
 from sandpool.core.backends.kubernetes._http import KubeHttp
+from sandpool.core.backends.kubernetes._images import PodImages
 from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
+from sandpool.core.backends.kubernetes._watch import Informer
 
-if TYPE_CHECKING:
-    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
+__all__ = ["Preflight", "overcreation_warning"]
 
-__all__ = ["PreflightMixin", "overcreation_warning"]
+log = logging.getLogger("sandpool.kubernetes")
 
 #: First agent-sandbox release whose SandboxWarmPool controller gates creates on its own
 #: expectations (upstream PR 1266, fixing issue 1215); earlier ones over-create when pods
@@ -43,26 +39,55 @@ def overcreation_warning(version: str) -> str | None:
         "--sandbox-warm-pool-concurrent-workers=1 and keep warm pools within capacity"
     )
 
-log = logging.getLogger("sandpool.kubernetes")
 
+class Preflight:
+    """The checks that the cluster can run one backend.
 
-class PreflightMixin:
-    """The preflight seam of :class:`~.backend.KubernetesBackend`."""
+    Args:
+        http: The HTTP layer.
+        namespace: Where the backend makes its objects.
+        run_id: The run-id label value (of the controller probe's objects).
+        mode: ``"agent-sandbox"`` or ``"pods"``.
+        sandbox_objects: Whether Sandbox objects are made (one more resource's verbs).
+        images: The PodSpec of the controller probe's template.
+        warmpools: The run's shared SandboxWarmPool watch (agent-sandbox mode; started
+            before :meth:`check_controller`).
+        controller_timeout: Seconds the controller may take to answer the probe.
+        controller_version: The controller's version, or None to look for its Deployment.
+    """
 
-    async def preflight(self: KubernetesBackend) -> None:
-        """Check the cluster can run this backend; raise one clear sentence if not.
+    def __init__(
+        self,
+        http: KubeHttp,
+        namespace: str,
+        run_id: str,
+        *,
+        mode: str,
+        sandbox_objects: bool,
+        images: PodImages,
+        warmpools: Informer | None,
+        controller_timeout: float,
+        controller_version: str | None,
+    ) -> None:
+        self._http = http
+        self.namespace = namespace
+        self.run_id = run_id
+        self.mode = mode
+        self.sandbox_objects = sandbox_objects
+        self._images = images
+        self._warmpools = warmpools
+        self.controller_timeout = controller_timeout
+        self.controller_version = controller_version
 
-        Checks, in order: the kubeconfig loads; the API answers; the namespace exists; the
-        agent-sandbox CRDs are served (agent-sandbox mode); RBAC allows every verb the
-        backend uses (SelfSubjectAccessReview); the runtime class exists; the agent-sandbox
-        controller reconciles (a probe SandboxWarmPool of 0 replicas gets a status).
+    async def check_cluster(self) -> None:
+        """Check, in order: the API answers; the namespace exists; the agent-sandbox CRDs
+        are served (agent-sandbox mode); RBAC allows every verb the backend uses
+        (SelfSubjectAccessReview); the runtime class exists.
 
         Raises:
             BackendUnavailable: With the failed check and its fix.
         """
-        if self._preflight_ok:
-            return
-        http = await self._ensure_client()
+        http = self._http
         try:
             await http.request("GET", "/version")
         except errors.InfraError as exc:
@@ -93,22 +118,28 @@ class PreflightMixin:
                         "(and its controller with --extensions), or use mode='pods'"
                     )
         await self._check_rbac(http)
-        if self.runtime_class:
+        runtime_class = self._images.runtime_class
+        if runtime_class:
             rc = await http.request(
-                "GET", f"/apis/node.k8s.io/v1/runtimeclasses/{self.runtime_class}", ok_missing=True
+                "GET", f"/apis/node.k8s.io/v1/runtimeclasses/{runtime_class}", ok_missing=True
             )
             if rc is None:
                 raise errors.BackendUnavailable(
-                    f"runtimeClass {self.runtime_class!r} does not exist in the cluster; install "
+                    f"runtimeClass {runtime_class!r} does not exist in the cluster; install "
                     "its handler and RuntimeClass (e.g. gVisor's runsc) or pass runtime_class=None"
                 )
-        await self._ensure_watches()
-        if self.mode == "agent-sandbox":
-            await self._probe_controller(http)
-            await self._check_controller_version(http)
-        self._preflight_ok = True
 
-    async def _check_controller_version(self: KubernetesBackend, http: KubeHttp) -> None:
+    async def check_controller(self) -> None:
+        """Check the agent-sandbox controller reconciles (a probe SandboxWarmPool of 0
+        replicas gets a status), and warn when its version has the over-creation bug.
+
+        Raises:
+            BackendUnavailable: The controller did not answer within ``controller_timeout``.
+        """
+        await self._probe_controller(self._http)
+        await self._check_controller_version(self._http)
+
+    async def _check_controller_version(self, http: KubeHttp) -> None:
         """Warn when the agent-sandbox controller has the warm-pool over-creation bug.
 
         The version is ``controller_version`` when given, else the image tag of a Deployment
@@ -133,7 +164,7 @@ class PreflightMixin:
         if warning := overcreation_warning(version):
             log.warning("%s (%s)", warning, where)
 
-    def _needed_verbs(self: KubernetesBackend) -> list[tuple[str, str, str, str]]:
+    def _needed_verbs(self) -> list[tuple[str, str, str, str]]:
         core = [
             ("get", "", "pods", ""),
             ("list", "", "pods", ""),
@@ -158,7 +189,7 @@ class PreflightMixin:
             ext += [(v, m.CORE_GROUP, m.SANDBOX, "") for v in ("create", "delete", "deletecollection")]
         return core + ext
 
-    async def _check_rbac(self: KubernetesBackend, http: KubeHttp) -> None:
+    async def _check_rbac(self, http: KubeHttp) -> None:
         async def review(verb: str, group: str, resource: str, sub: str) -> tuple[str, bool, str]:
             attrs = {
                 "namespace": self.namespace,
@@ -190,7 +221,7 @@ class PreflightMixin:
                 "kubeconfig's user; grant these verbs with a Role and RoleBinding"
             )
 
-    async def _probe_controller(self: KubernetesBackend, http: KubeHttp) -> None:
+    async def _probe_controller(self, http: KubeHttp) -> None:
         assert self._warmpools is not None
         name = f"sp-{self.run_id}-probe"
         pi = PodImage("sandpool/probe:0")  # never started: the pool has 0 replicas
@@ -198,7 +229,7 @@ class PreflightMixin:
             "POST",
             ns_path(self.namespace, m.TEMPLATE),
             ok_exists=True,
-            body=m.template(name, self.run_id, "probe", pi, self._pod_spec(pi)),
+            body=m.template(name, self.run_id, "probe", pi, self._images.spec(pi)),
         )
         await http.request(
             "POST",

@@ -1,11 +1,11 @@
 """Placement and prepull on the cluster: plan images onto nodes, pull them before rollouts ask.
 
-:class:`PlacementMixin` is part of :class:`~.backend.KubernetesBackend`. :meth:`place` reads
-the schedulable nodes, computes a :class:`~._placement.PlacementPlan` and makes every
-image's pods (templates, Sandbox objects, plain pods) require the node it was planned on;
-:meth:`prepull` creates one pod per node whose containers are that node's images of a
-window, waits until the node has them (the pod ran, or is Ready), and deletes the pods in
-one collection delete. A window's prepull can run while the previous window's rollouts do.
+:meth:`Placement.place` reads the schedulable nodes, computes a
+:class:`~._placement.PlacementPlan` and makes every image's pods (templates, Sandbox
+objects, plain pods) require the node it was planned on; :meth:`Placement.prepull` creates
+one pod per node whose containers are that node's images of a window, waits until the node
+has them (the pod ran, or is Ready), and deletes the pods in one collection delete. A
+window's prepull can run while the previous window's rollouts do.
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes import _manifests as m
+from sandpool.core.backends.kubernetes._http import KubeHttp
+from sandpool.core.backends.kubernetes._images import PodImages
 from sandpool.core.backends.kubernetes._manifests import ns_path
 from sandpool.core.backends.kubernetes._placement import NodeCapacity, PlacementPlan, plan
 from sandpool.core.backends.kubernetes._pods import pod_ready
+from sandpool.core.backends.kubernetes._watch import Informer
 
-if TYPE_CHECKING:
-    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
-
-__all__ = ["PlacementMixin", "parse_quantity"]
+__all__ = ["Placement", "parse_quantity"]
 
 _SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9,
            "T": 1e12, "m": 1e-3}
@@ -38,11 +38,28 @@ def parse_quantity(q: str) -> float:
     return float(q)
 
 
-class PlacementMixin:
-    """The placement seam of :class:`~.backend.KubernetesBackend`."""
+class Placement:
+    """Where one run's images go, and their pulls ahead of the rollouts.
+
+    Args:
+        http: The HTTP layer.
+        namespace: Where prepull pods are made.
+        run_id: The run-id label value.
+        images: Task image -> PodImage; :meth:`place` pins each image's pods to its node.
+        pods: The run's shared pod watch (started before :meth:`prepull`).
+    """
+
+    def __init__(
+        self, http: KubeHttp, namespace: str, run_id: str, images: PodImages, pods: Informer
+    ) -> None:
+        self._http = http
+        self.namespace = namespace
+        self.run_id = run_id
+        self._images = images
+        self._pods = pods
 
     async def place(
-        self: KubernetesBackend,
+        self,
         images: Sequence[str],
         sizes: Mapping[str, float],
         *,
@@ -66,8 +83,7 @@ class PlacementMixin:
         Raises:
             ConfigError: See :func:`~._placement.plan`; or no disk size is known.
         """
-        http = await self._ensure_client()
-        listed = await http.request("GET", "/api/v1/nodes")
+        listed = await self._http.request("GET", "/api/v1/nodes")
         nodes = []
         for node in (listed or {}).get("items", []):
             spec, st = node.get("spec") or {}, node.get("status") or {}
@@ -86,11 +102,11 @@ class PlacementMixin:
             nodes.append(NodeCapacity(node["metadata"]["name"], disk, pods))
         result = plan(images, sizes, nodes, slots_per_image=slots_per_image,
                       pipeline_fraction=pipeline_fraction)
-        self._node_of.update(result.node_of)
+        self._images.pin(result.node_of)
         return result
 
     async def prepull(
-        self: KubernetesBackend, window: Mapping[str, str], *, name: str, timeout: float = 1800
+        self, window: Mapping[str, str], *, name: str, timeout: float = 1800
     ) -> dict[str, Any]:
         """Pull each node's images of ``window`` (image -> node) onto it; return timings.
 
@@ -103,21 +119,19 @@ class PlacementMixin:
             InfraTimeout: Not every node had its images within ``timeout`` seconds.
             SandboxStartError: A prepull pod failed (image pull error).
         """
-        await self._ensure_watches()
-        assert self._pods is not None
-        http = await self._ensure_client()
+        http = self._http
         t0 = time.monotonic()
         per: dict[str, list[str]] = {}
         for img, node in window.items():
-            per.setdefault(node, []).append(self.pod_image(img).image)
+            per.setdefault(node, []).append(self._images.resolve(img).image)
         pod_names = []
         for i, (node, imgs) in enumerate(sorted(per.items())):
             pod_name = f"sp-{self.run_id}-pre-{m.slug(name, 20)}-{i}"
             await http.request(
                 "POST",
                 ns_path(self.namespace, "pods"),
-                body=m.prepull_pod(pod_name, self.run_id, name, node, imgs, self.tolerations,
-                                   self.runtime_class),
+                body=m.prepull_pod(pod_name, self.run_id, name, node, imgs,
+                                   self._images.tolerations, self._images.runtime_class),
             )
             pod_names.append(pod_name)
 

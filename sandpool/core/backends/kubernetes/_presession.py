@@ -3,11 +3,11 @@
 With a SandboxWarmPool per image (agent-sandbox mode, a strategy that claims per rollout),
 a claim binds a pod that has been Ready for a while; opening its agent session only then
 puts the agent's start (a Python interpreter, seconds on a loaded node) on the claim path.
-:class:`PresessionMixin` watches the run's pods (the backend's one pod watch) and opens the
-session of each Ready pod of a warm pool as it becomes Ready, up to
-``KubernetesBackend(presessions=N)`` at once; the claim that binds the pod adopts it
-(:meth:`_take_presession`). The warm pool's Sandbox objects and so their pods are named
-``<warm pool>-<suffix>`` by the controller, and keep that name when claimed.
+:class:`Presessions` follows the run's pods (the shared pod watch) and opens the session of
+each Ready pod of a warm pool as it becomes Ready, up to ``KubernetesBackend(presessions=N)``
+at once; the claim that binds the pod adopts it (:meth:`Presessions.take`). The warm pool's
+Sandbox objects and so their pods are named ``<warm pool>-<suffix>`` by the controller, and
+keep that name when claimed.
 
 A pre-opened session is the agent of a pod no rollout has touched, so adopting it is the same
 as opening it at the claim; one whose pod is deleted, replaced or not adopted by close is
@@ -19,18 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from sandpool.core.backends.kubernetes import _manifests as m
 from sandpool.core.backends.kubernetes._exec import ExecTarget
+from sandpool.core.backends.kubernetes._http import KubeHttp
+from sandpool.core.backends.kubernetes._images import PodImages
 from sandpool.core.backends.kubernetes._pods import pod_ready
-from sandpool.core.backends.kubernetes._session import AgentSession
+from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
+from sandpool.core.backends.kubernetes._watch import Informer
 
-if TYPE_CHECKING:
-    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
-
-__all__ = ["PresessionMixin"]
+__all__ = ["Presessions"]
 
 log = logging.getLogger("sandpool.kubernetes")
 
@@ -41,52 +41,121 @@ class _Pre:
     task: asyncio.Task[AgentSession | None]
 
 
-class PresessionMixin:
-    """The pre-opened sessions seam of :class:`~.backend.KubernetesBackend`."""
+class Presessions:
+    """Sessions opened on Ready warm-pool pods, for their claims to adopt.
 
-    def _presession_on_pod(self: KubernetesBackend, pod: dict[str, Any]) -> None:
+    Args:
+        http: The HTTP layer.
+        namespace: Where the pods are.
+        run_id: The run-id label value.
+        container: The container the agent runs in.
+        images: Task image -> PodImage (the image workdir).
+        pods: The run's shared pod watch; every change of a pod is considered.
+        warm_pool_image: The image whose warm pool made a pod, or None for any other pod.
+        limit: Sessions open (or opening) at once.
+        python: The interpreter command that runs the agent.
+        timeout: Seconds the agent may take to say it is ready.
+        exec_prefix: See :data:`~.backend.ExecPrefix`.
+    """
+
+    def __init__(
+        self,
+        http: KubeHttp,
+        namespace: str,
+        run_id: str,
+        container: str,
+        images: PodImages,
+        pods: Informer,
+        warm_pool_image: Callable[[Mapping[str, Any]], str | None],
+        *,
+        limit: int,
+        python: str,
+        timeout: float,
+        exec_prefix: Callable[[Mapping[str, Any], str, bool], Sequence[str]] | None,
+    ) -> None:
+        self._http = http
+        self.namespace = namespace
+        self.run_id = run_id
+        self.container = container
+        self._images = images
+        self._pods = pods
+        self._warm_pool_image = warm_pool_image
+        self.limit = limit
+        self.python = python
+        self.timeout = timeout
+        self.exec_prefix = exec_prefix
+        self.adopted = 0  #: sessions a claim adopted
+        self._pre: dict[str, _Pre] = {}  # pod -> its pre-opened session
+        self._taken: set[str] = set()  # pods a sandbox was made of (never pre-opened again)
+        self._no_agent: set[str] = set()  # images whose agent could not start
+        self._closing: set[asyncio.Task[None]] = set()
+        self._closed = False
+        pods.subscribe(None, self._on_pod)
+
+    def __len__(self) -> int:
+        return len(self._pre)
+
+    @property
+    def pending(self) -> Mapping[str, asyncio.Task[AgentSession | None]]:
+        """Pod -> the task opening (or that opened) its session, for every session held."""
+        return {name: pre.task for name, pre in self._pre.items()}
+
+    @property
+    def closing(self) -> int:
+        """Sessions being closed (dropped, or not adopted by close)."""
+        return len(self._closing)
+
+    def _on_pod(self, pod: dict[str, Any] | None) -> None:
         """Start the session of a newly Ready, unclaimed warm-pool pod; drop one whose pod
         went away or was replaced."""
+        if pod is None:  # deletions seen at a re-list
+            for name in list(self._pre):
+                if self._pods.get(name) is None:
+                    self._drop(name)
+            self._taken.intersection_update(self._pods.cache)
+            return
         meta = pod["metadata"]
         name = meta["name"]
         pre = self._pre.get(name)
         if pre is not None:
             if pre.uid != meta.get("uid") or meta.get("deletionTimestamp"):
-                self._drop_presession(name)
+                self._drop(name)
             return
-        if (len(self._pre) >= self.presessions or name in self._by_pod or self._closed
+        if (len(self._pre) >= self.limit or name in self._taken or self._closed
                 or meta.get("deletionTimestamp") or not pod_ready(pod)):
             return
-        image = self._image_of_key.get((meta.get("labels") or {}).get(m.IMAGE_LABEL, ""))
-        if image is None or image in self._agent_unavailable or image not in self._pools:
+        image = self._warm_pool_image(pod)
+        if image is None or image in self._no_agent:
             return
-        if not name.startswith(self._pools[image][0] + "-"):
-            return  # not a warm-pool pod (a claim's cold start, a Sandbox object, a prepull)
-        pi = self.pod_image(image)
+        workdir = self._images.resolve(image).workdir
         try:
-            prefix = tuple(self.exec_prefix(pod, pi.workdir, True)) if self.exec_prefix else ()
+            prefix = tuple(self.exec_prefix(pod, workdir, True)) if self.exec_prefix else ()
         except (KeyError, ValueError):
             return  # the claim's own start reports it
         target = ExecTarget(namespace=self.namespace, pod=name, container=self.container,
-                            sandbox_id=f"{self.run_id}-pre-{name}", workdir=pi.workdir,
+                            sandbox_id=f"{self.run_id}-pre-{name}", workdir=workdir,
                             session_prefix=prefix)
         self._pre[name] = _Pre(meta["uid"], asyncio.get_running_loop().create_task(
-            self._open_presession(target), name=f"sandpool-presession-{name}"))
+            self._open(target, image), name=f"sandpool-presession-{name}"))
 
-    async def _open_presession(self: KubernetesBackend, target: ExecTarget) -> AgentSession | None:
-        session = AgentSession(self._http, target, target.sandbox_id, self.agent_python)
+    async def _open(self, target: ExecTarget, image: str) -> AgentSession | None:
+        session = AgentSession(self._http, target, target.sandbox_id, self.python)
         try:
-            await session.start(self.agent_timeout)
+            await session.start(self.timeout)
+        except AgentUnavailable as exc:  # the claim falls back (and says why) itself
+            self.no_agent(image)
+            log.debug("pre-opening the agent session of pod %s failed: %s", target.pod, exc)
+            return None
         except Exception as exc:  # noqa: BLE001 - the claim opens its own session then
             log.debug("pre-opening the agent session of pod %s failed: %s", target.pod, exc)
             return None
         return session
 
-    async def _take_presession(
-        self: KubernetesBackend, pod: str, uid: str
-    ) -> AgentSession | None:
+    async def take(self, pod: str, uid: str) -> AgentSession | None:
         """The pre-opened (or opening) session of ``pod`` if it is still that pod's and alive;
-        the caller owns it then."""
+        the caller owns it then. Called for every pod a sandbox is made of: none is
+        pre-opened afterwards."""
+        self._taken.add(pod)
         pre = self._pre.pop(pod, None)
         if pre is None:
             return None
@@ -98,15 +167,19 @@ class PresessionMixin:
             if session is not None:
                 await session.aclose()
             return None
-        self.presessions_adopted += 1
+        self.adopted += 1
         return session
 
-    def _drop_presession(self: KubernetesBackend, name: str) -> None:
+    def no_agent(self, image: str) -> None:
+        """Open no session on ``image``'s pods: its agent cannot start there."""
+        self._no_agent.add(image)
+
+    def _drop(self, name: str) -> None:
         pre = self._pre.pop(name, None)
         if pre is not None:
             self._close_later(pre)
 
-    def _close_later(self: KubernetesBackend, pre: _Pre) -> None:
+    def _close_later(self, pre: _Pre) -> None:
         async def close() -> None:
             with contextlib.suppress(Exception):
                 session = await pre.task
@@ -114,12 +187,13 @@ class PresessionMixin:
                     await session.aclose()
 
         task = asyncio.get_running_loop().create_task(close())
-        self._pre_closing.add(task)
-        task.add_done_callback(self._pre_closing.discard)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
-    async def _close_presessions(self: KubernetesBackend) -> None:
-        """Close every session not adopted (at close)."""
+    async def aclose(self) -> None:
+        """Close every session not adopted; open no more."""
+        self._closed = True
         for name in list(self._pre):
-            self._drop_presession(name)
-        if self._pre_closing:
-            await asyncio.gather(*self._pre_closing, return_exceptions=True)
+            self._drop(name)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

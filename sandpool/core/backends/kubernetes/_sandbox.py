@@ -23,7 +23,7 @@ from sandpool.core.backends.kubernetes._session import AgentSession
 from sandpool.core.base import ExecResult, Sandbox
 
 if TYPE_CHECKING:
-    from sandpool.core.backends.kubernetes.backend import KubernetesBackend
+    from sandpool.core.backends.kubernetes._http import KubeHttp
 
 __all__ = ["KubernetesSandbox"]
 
@@ -66,12 +66,14 @@ class KubernetesSandbox(Sandbox):
 
     def __init__(
         self,
-        backend: KubernetesBackend,
+        http: KubeHttp,
         sid: str,
         image: str,
         target: ExecTarget,
         pod_uid: str,
         claim: str | None,
+        *,
+        agent_python: str = "python3",
     ) -> None:
         self.id = sid
         self.image = image
@@ -80,7 +82,9 @@ class KubernetesSandbox(Sandbox):
         self.pod_uid = pod_uid
         self.claim = claim
         self.protocol: str | None = None
-        self._backend = backend
+        self._http = http
+        #: The interpreter command that runs sandpool's code in the pod (agent, service tree).
+        self.agent_python = agent_python
         self._target = target
         self._seq = itertools.count(1)
         self._dead: str | None = None
@@ -145,7 +149,7 @@ class KubernetesSandbox(Sandbox):
         """
         if self._dead is not None:
             raise self._died()
-        return await open_port(self._backend._http, self._target.namespace, self.pod, port)
+        return await open_port(self._http, self._target.namespace, self.pod, port)
 
     def __repr__(self) -> str:
         state = f"dead: {self._dead}" if self._dead else "alive"
@@ -195,7 +199,7 @@ class KubernetesSandbox(Sandbox):
         )
         try:
             res, self.protocol = await run_exec(
-                self._backend._http, self._target, argv, timeout=timeout, max_output=max_output
+                self._http, self._target, argv, timeout=timeout, max_output=max_output
             )
         except errors.ExecTransportError:
             if self._dead is not None:  # the stream broke because the pod went away

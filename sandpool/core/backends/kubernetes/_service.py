@@ -182,7 +182,7 @@ async def _running(sb: KubernetesSandbox, svc: local_service.RunningService, tim
 
 
 async def _tree(sb: KubernetesSandbox) -> dict[str, tuple[str, ...]]:
-    py = sb._backend.agent_python
+    py = sb.agent_python
     res = await sb.exec(["/bin/sh", "-c", f'exec "$0" -I -c "$1" {_DIR}', py, _TREE], timeout=60.0, cwd="/")
     if not res.ok:
         raise errors.ExecTransportError(

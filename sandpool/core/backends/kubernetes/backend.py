@@ -10,21 +10,19 @@ Everything created carries the label ``sandpool.io/run-id=<run_id>``; :meth:`acl
 Readiness and death come from one shared watch per resource (:class:`Informer`): pods, and
 in agent-sandbox mode claims and warm pools.
 
-The class is assembled from its seams: :mod:`._claims` (templates, warm pools, claims),
-:mod:`._pods` (plain pods, pod status), :mod:`._preflight`, :mod:`._sandbox` (the sandbox
-and its exec channel, :mod:`._exec`), :mod:`._presession` (sessions opened on warm pods) and
-:mod:`._gc`. This module holds the shared state: the client, the watches, the image map and
-the live sandboxes; it is ~410 lines because the constructor documents every option of the
-backend in one place (about 120 of them are its docstring).
+The backend is composed of parts, each given what it uses when it is made: the HTTP layer
+(:class:`KubeHttp`), the watches, :class:`PodImages` (image map, pod spec), :class:`Claims`
+(templates, warm pools, claims, Sandbox objects), :class:`Pods`, :class:`LiveSandboxes`
+(a Ready pod made a sandbox, its death), :class:`Presessions`, :class:`Placement`
+(placement and prepull), :class:`Preflight` and :class:`Deleter` (deletes, gc). No part
+reads another's state. This module wires them from the backend's options; ``create`` is the
+one place that sequences them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-import os
-import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -32,27 +30,25 @@ from typing import Any
 
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes import _manifests as m
-from sandpool.core.backends.kubernetes._claims import ClaimsMixin
-from sandpool.core.backends.kubernetes._errors import translate
-from sandpool.core.backends.kubernetes._gc import delete_run, gc
+from sandpool.core.backends.kubernetes._claims import Claims
+from sandpool.core.backends.kubernetes._gc import Deleter, gc
 from sandpool.core.backends.kubernetes._http import KubeHttp, Throttle
-from sandpool.core.backends.kubernetes._manifests import PodImage, ns_path
-from sandpool.core.backends.kubernetes._pods import PodsMixin, pod_death
-from sandpool.core.backends.kubernetes._preflight import PreflightMixin
-from sandpool.core.backends.kubernetes._presession import PresessionMixin
-from sandpool.core.backends.kubernetes._prepull import PlacementMixin
+from sandpool.core.backends.kubernetes._images import ImageMap, PodImages
+from sandpool.core.backends.kubernetes._live import LiveSandboxes
+from sandpool.core.backends.kubernetes._manifests import ns_path
+from sandpool.core.backends.kubernetes._placement import PlacementPlan
+from sandpool.core.backends.kubernetes._pods import Pods
+from sandpool.core.backends.kubernetes._preflight import Preflight
+from sandpool.core.backends.kubernetes._prepull import Placement
+from sandpool.core.backends.kubernetes._presession import Presessions
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._service import PodService
 from sandpool.core.backends.kubernetes._watch import Informer
 from sandpool.core.base import Backend, Sandbox
+from sandpool.core.telemetry import Telemetry
 
 __all__ = ["ExecPrefix", "ImageMap", "KubernetesBackend", "KubernetesSandbox", "PodService", "gc"]
 
-log = logging.getLogger("sandpool.kubernetes")
-
-#: Maps a task's ``image`` to what its pod runs: a mapping, or a function (may raise
-#: ImageNotFound). None means ``PodImage(image)``: the task image is the container image.
-ImageMap = Mapping[str, PodImage] | Callable[[str], PodImage]
 #: ``(ready pod object, image workdir, session) -> argv`` put before every exec's argv in that
 #: pod, ``session`` True for the agent session's one stream (may raise KeyError/ValueError:
 #: the sandbox fails to start). Only clusters whose pod
@@ -63,16 +59,8 @@ ExecPrefix = Callable[[Mapping[str, Any], str, bool], Sequence[str]]
 _MODES = ("agent-sandbox", "pods")
 _DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
 
-def kubeconfig_path() -> str:
-    """The kubeconfig used when none is given: the first path of ``$KUBECONFIG``, else
-    ``~/.kube/config`` (as kubectl and kubernetes_asyncio choose it)."""
-    env = os.environ.get("KUBECONFIG", "")
-    first = next((p for p in env.split(os.pathsep) if p), "")
-    return str(Path(first or "~/.kube/config").expanduser())
 
-
-class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, PresessionMixin,
-                        Backend):
+class KubernetesBackend(Backend):
     """Creates sandboxes as pods on a Kubernetes cluster, through agent-sandbox or directly.
 
     Usage::
@@ -170,60 +158,53 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
     ) -> None:
         if mode not in _MODES:
             raise errors.ConfigError(f"mode={mode!r} is not known; use one of {list(_MODES)}")
-        if run_id is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9-]{0,14}[a-z0-9])?", run_id):
-            raise errors.ConfigError(
-                f"run_id={run_id!r} must be 1-16 lower-case letters, digits or '-'"
-            )
-        self.kubeconfig = str(Path(kubeconfig).expanduser()) if kubeconfig else None
-        self.namespace = namespace
-        self.mode = mode
-        self.run_id = run_id or uuid.uuid4().hex[:8]
-        self.throttle = Throttle(qps, burst, max_inflight)
-        self.runtime_class = runtime_class
-        self.node_selector = dict(node_selector or {})
-        self.tolerations = [dict(t) for t in tolerations or []]
-        self.resources = dict(resources or _DEFAULT_RESOURCES)
-        self.image_map = image_map
-        self.container = container
-        self.command = list(command)
-        self.ready_timeout = ready_timeout
-        self.exec_prefix = exec_prefix
-        self.reuse_spares = reuse_spares
-        self.controller_timeout = controller_timeout
-        self.controller_version = controller_version
-        self.agent = agent
-        self.agent_python = agent_python
-        self.agent_timeout = agent_timeout
-        self.presessions = presessions
-        self.presessions_adopted = 0
-        self._pre: dict = {}  # pod -> its pre-opened session (._presession)
-        self._pre_closing: set[asyncio.Task[None]] = set()
-        self._image_of_key: dict[str, str] = {}  # image label value -> warm pool image
-        self.agent_fallbacks = 0  # images whose agent could not start
-        self.fallback_sandboxes = 0  # sandboxes whose commands each open a pod exec
-        self._agent_unavailable: dict[str, str] = {}  # image -> why the agent cannot run
-        self.sandbox_objects = sandbox_objects
-        self.delete_batch_s = delete_batch_s
         if api_retries < 0:
             raise errors.ConfigError(f"api_retries={api_retries} must be 0 or more")
-        self.api_retries = api_retries
-        self.service = service
-        self._direct: set[str] = set()  # images whose sandboxes are Sandbox objects
-        self._pending_deletes: dict[str, set[str]] = {}  # resource -> names (batched)
-        self._flusher: asyncio.Task[None] | None = None
-        self._node_of: dict[str, str] = {}  # image -> node (placement: required affinity)
-        self._http: KubeHttp | None = None  # type: ignore[assignment]
-        self._client: Any = None
+        self.kubeconfig = str(Path(kubeconfig).expanduser()) if kubeconfig else None
+        self.namespace = ns = namespace
+        self.mode = mode
+        self.run_id = run = m.check_run_id(run_id) if run_id is not None else uuid.uuid4().hex[:8]
+        self.throttle = Throttle(qps, burst, max_inflight)
+        self._http = http = KubeHttp(None, self.throttle, kubeconfig=self.kubeconfig,
+                                     retries=api_retries)
+        self._images = images = PodImages(
+            image_map, container=container, command=command,
+            resources=resources or _DEFAULT_RESOURCES, runtime_class=runtime_class,
+            node_selector=node_selector or {}, tolerations=tolerations or [],
+            service_port=service.port if service is not None else None,
+        )
+        sel = f"{m.RUN_ID_LABEL}={run}"
+        pod_watch = Informer(http, ns_path(ns, "pods"), sel)
+        self._claims: Claims | None = None
+        self._watches = [pod_watch]
+        pool_watch = None
+        if mode == "agent-sandbox":
+            claim_watch = Informer(http, ns_path(ns, m.CLAIM), sel)
+            pool_watch = Informer(http, ns_path(ns, m.WARMPOOL), sel)
+            self._watches += [claim_watch, pool_watch]
+            self._claims = Claims(http, ns, run, images, claims=claim_watch, warmpools=pool_watch,
+                                  pods=pod_watch, ready_timeout=ready_timeout,
+                                  reuse_spares=reuse_spares, sandbox_objects=sandbox_objects)
+        self._presessions: Presessions | None = None
+        if self._claims is not None and agent and presessions > 0:
+            self._presessions = Presessions(
+                http, ns, run, container, images, pod_watch, self._claims.warm_pool_image,
+                limit=presessions, python=agent_python, timeout=agent_timeout,
+                exec_prefix=exec_prefix)
+        self._live = LiveSandboxes(
+            http, ns, run, container, images, pod_watch, self._presessions, agent=agent,
+            python=agent_python, agent_timeout=agent_timeout, service=service,
+            exec_prefix=exec_prefix)
+        self._pods = Pods(http, ns, run, images, pod_watch, ready_timeout)
+        self._placement = Placement(http, ns, run, images, pod_watch)
+        self._preflight = Preflight(
+            http, ns, run, mode=mode, sandbox_objects=sandbox_objects, images=images,
+            warmpools=pool_watch, controller_timeout=controller_timeout,
+            controller_version=controller_version)
+        self._deleter = Deleter(http, ns, run, delete_batch_s)
+        self._sandbox_objects = sandbox_objects
         self._start_lock = asyncio.Lock()
-        self._pods: Informer | None = None
-        self._claims: Informer | None = None
-        self._warmpools: Informer | None = None
-        self._images: dict[str, PodImage] = {}
-        self._templates: dict[str, str] = {}  # image -> template name
-        self._pools: dict[str, tuple[str, int]] = {}  # image -> (warm pool name, replicas)
-        self._pool_locks: dict[str, asyncio.Lock] = {}
-        self._live: dict[str, KubernetesSandbox] = {}
-        self._by_pod: dict[str, KubernetesSandbox] = {}
+        self._watching = False
         self._seq = itertools.count(1)
         self._preflight_ok = False
         self._closed = False
@@ -234,10 +215,24 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             f"live={len(self._live)} images={len(self._images)} writes={self.api_writes}>"
         )
 
+    @property  # type: ignore[override]
+    def telemetry(self) -> Telemetry:
+        """Where control-plane requests are recorded (set by the pool that takes it)."""
+        return self._http.telemetry
+
+    @telemetry.setter
+    def telemetry(self, value: Telemetry) -> None:
+        self._http.telemetry = value
+
     @property
     def api_writes(self) -> int:
         """Write requests (POST/PUT/PATCH/DELETE, every attempt) this backend sent."""
-        return self._http.writes if self._http is not None else 0
+        return self._http.writes
+
+    @property
+    def presessions_adopted(self) -> int:
+        """Claims that adopted a session opened on their warm pod (see ``presessions``)."""
+        return self._presessions.adopted if self._presessions is not None else 0
 
     @property
     def api_stats(self) -> dict[str, Any]:
@@ -245,106 +240,119 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         streams opened, agent fallbacks (images whose agent could not start), fallback
         sandboxes (whose commands each open a pod exec), retries (REST, watch and exec
         handshakes), in-flight peak."""
-        h = self._http
-        if h is None:
-            return {}
+        h, live = self._http, self._live
         return {
             "writes": h.writes,
             "reads": h.reads,
             "execs": h.execs,
-            "agent_fallbacks": self.agent_fallbacks,
+            "agent_fallbacks": live.agent_fallbacks,
             "presessions_adopted": self.presessions_adopted,
-            "fallback_sandboxes": self.fallback_sandboxes,
+            "fallback_sandboxes": live.fallback_sandboxes,
             "retried": h.retried,
             "inflight_peak": self.throttle.inflight_peak,
             "writes_by": dict(h.writes_by),
         }
 
-    # -- client and watches ------------------------------------------------------------------
+    async def _client(self) -> KubeHttp:
+        """The HTTP layer, open.
 
-    async def _ensure_client(self) -> KubeHttp:
+        Raises:
+            PoolClosed: After :meth:`aclose`.
+            BackendUnavailable: The kubeconfig is missing or cannot be used.
+        """
         if self._closed:
             raise errors.PoolClosed("this KubernetesBackend was closed; make a new one")
-        if self._http is not None:
-            return self._http
-        async with self._start_lock:
-            if self._http is None:
-                try:
-                    from kubernetes_asyncio.client import ApiClient, Configuration
-                    from kubernetes_asyncio.config import load_kube_config
-                except ImportError as exc:
-                    raise errors.BackendUnavailable(
-                        "the kubernetes backend needs kubernetes_asyncio; install sandpool[kubernetes]"
-                    ) from exc
-                cfg = Configuration()
-                path = self.kubeconfig or kubeconfig_path()
-                if not Path(path).is_file():
-                    raise errors.BackendUnavailable(
-                        f"kubeconfig {path} does not exist; pass kubeconfig=, set $KUBECONFIG, "
-                        "or start the test cluster (hack/cluster/cluster.py up)"
-                    )
-                try:
-                    await load_kube_config(
-                        config_file=path, client_configuration=cfg, persist_config=False
-                    )
-                except Exception as exc:  # noqa: BLE001 - translated at the one boundary
-                    raise translate(exc, f"loading kubeconfig {path}") from exc
-                cfg.connection_pool_maxsize = 0  # unbounded sockets: the Throttle bounds REST
-                self._client = ApiClient(configuration=cfg)
-                self._http = KubeHttp(self._client, self.throttle, retries=self.api_retries)
-                self._http.telemetry = self.telemetry  # the pool's (set when it took this backend)
+        await self._http.open()
         return self._http
 
-    async def _ensure_watches(self) -> None:
-        await self._ensure_client()
-        sel = f"{m.RUN_ID_LABEL}={self.run_id}"
-        async with self._start_lock:
-            if self._pods is None:
-                pods = Informer(self._http, ns_path(self.namespace, "pods"), sel)
-                await pods.start()
-                pods.subscribe(None, self._on_pod)
-                self._pods = pods
-            if self.mode == "agent-sandbox" and self._claims is None:
-                claims = Informer(self._http, ns_path(self.namespace, m.CLAIM), sel)
-                pools = Informer(self._http, ns_path(self.namespace, m.WARMPOOL), sel)
-                await asyncio.gather(claims.start(), pools.start())
-                self._claims, self._warmpools = claims, pools
+    async def _watch(self) -> None:
+        """List and start every watch of the run, once."""
+        await self._client()
+        if not self._watching:
+            async with self._start_lock:
+                if not self._watching:
+                    await asyncio.gather(*(w.start() for w in self._watches))
+                    self._watching = True
 
-    def _on_pod(self, pod: dict[str, Any] | None) -> None:
-        # Death detection for every live sandbox, from the one shared pod watch.
-        if pod is None:
-            for name, sb in list(self._by_pod.items()):
-                if self._pods is not None and self._pods.get(name) is None:
-                    sb._mark_dead("the pod was deleted")
-            for name in list(self._pre):
-                if self._pods is not None and self._pods.get(name) is None:
-                    self._drop_presession(name)
+    # -- images, warm pools, placement -------------------------------------------------------
+
+    async def hydrate(self, image: str) -> None:
+        """Validate ``image`` and (agent-sandbox mode) create its SandboxTemplate once.
+
+        With ``sandbox_objects`` the template is made only when a warm pool needs it (a
+        reusing strategy's Sandbox objects carry their pod template themselves).
+
+        Raises:
+            ImageNotFound: Not in the image map, an invalid image reference, or a missing
+                ``workdir_source`` directory.
+            BackendUnavailable, ApiError, ConfigError: The template could not be created.
+        """
+        self._images.resolve(image)
+        if self._claims is not None and not self._sandbox_objects:
+            await self._client()
+            await self._claims.hydrate(image)
+
+    async def set_warm_target(self, image: str, n: int, *, reuse: bool) -> int:
+        """Apply the strategy's warm target for ``image``; return how many the pool keeps itself.
+
+        agent-sandbox mode: see :meth:`Claims.set_warm_target` (the SandboxWarmPool holds
+        the warm sandboxes without reuse; with reuse only ``reuse_spares`` spares).
+        pods mode: the pool keeps ``n`` warm pods itself (returns ``n``).
+        """
+        if self._claims is None:
+            return n
+        await self._client()
+        return await self._claims.set_warm_target(image, n, reuse=reuse)
+
+    async def wait_warm(self) -> None:
+        """Wait until every SandboxWarmPool of this run has its replicas Ready (shared watch).
+
+        Raises:
+            InfraTimeout: Not within 4 x ``ready_timeout``.
+        """
+        if self._claims is None or not self._claims.warm_pools:
             return
-        if self.presessions:
-            self._presession_on_pod(pod)
-        sb = self._by_pod.get(pod["metadata"]["name"])
-        if sb is not None and (why := pod_death(pod, sb.pod_uid)):
-            sb._mark_dead(why)
+        await self._watch()
+        await self._claims.wait_warm()
 
-    # -- images ------------------------------------------------------------------------------
+    async def place(self, images: Sequence[str], sizes: Mapping[str, float],
+                    **kw: Any) -> PlacementPlan:
+        """Plan ``images`` onto the schedulable nodes and steer their pods there; see
+        :meth:`Placement.place` (the arguments and errors). Call before :meth:`hydrate`."""
+        await self._client()
+        return await self._placement.place(images, sizes, **kw)
 
-    def _pod_spec(self, pi: PodImage, image: str | None = None) -> dict[str, Any]:
-        spec = m.pod_spec(
-            pi,
-            container=self.container,
-            command=self.command,
-            resources=self.resources,
-            runtime_class=self.runtime_class,
-            node_selector=self.node_selector,
-            tolerations=self.tolerations,
-            node=self._node_of.get(image) if image is not None else None,
-        )
-        if self.service is not None:
-            spec["containers"][0]["ports"] = [{"name": "service", "containerPort": self.service.port}]
-        return spec
+    def pin_nodes(self, node_of: Mapping[str, str]) -> None:
+        """Steer each image's pods to its node (image -> node, e.g. a plan's ``node_of``
+        from another backend's :meth:`place`). Call before :meth:`hydrate`."""
+        self._images.pin(node_of)
 
-    def _obj_name(self, image: str) -> str:
-        return f"sp-{self.run_id}-{m.slug(image)}-{m.image_key(image)}"
+    async def prepull(self, window: Mapping[str, str], *, name: str,
+                      timeout: float = 1800) -> dict[str, Any]:
+        """Pull each node's images of ``window`` (image -> node) onto it; see
+        :meth:`Placement.prepull` (the result and errors)."""
+        await self._watch()
+        return await self._placement.prepull(window, name=name, timeout=timeout)
+
+    async def preflight(self) -> None:
+        """Check the cluster can run this backend; raise one clear sentence if not.
+
+        Checks, in order: the kubeconfig loads; the API answers; the namespace exists; the
+        agent-sandbox CRDs are served (agent-sandbox mode); RBAC allows every verb the
+        backend uses (SelfSubjectAccessReview); the runtime class exists; the agent-sandbox
+        controller reconciles (a probe SandboxWarmPool of 0 replicas gets a status).
+
+        Raises:
+            BackendUnavailable: With the failed check and its fix.
+        """
+        if self._preflight_ok:
+            return
+        await self._client()
+        await self._preflight.check_cluster()
+        await self._watch()
+        if self.mode == "agent-sandbox":
+            await self._preflight.check_controller()
+        self._preflight_ok = True
 
     # -- create / delete ---------------------------------------------------------------------
 
@@ -359,13 +367,25 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
             ApiError, BackendUnavailable: The API refused or kept failing.
         """
         await self.hydrate(image)
-        await self._ensure_watches()
+        await self._watch()
         n = next(self._seq)
-        if self.mode == "pods":
-            return await self._create_pod(image, n)
-        if image in self._direct:
-            return await self._create_sandbox_object(image, n)
-        return await self._create_claim(image, n)
+        claims, claim = self._claims, None
+        if claims is None:
+            owner = ("pods", await self._pods.create(image, n))
+        elif claims.is_direct(image):
+            owner = (m.SANDBOX, await claims.create_sandbox(image, n))
+        else:
+            claim = await claims.create_claim(image, n)
+            owner = (m.CLAIM, claim)
+        try:
+            pod_name = owner[1]
+            if claims is not None and claim is not None:
+                pod_name = await claims.wait_bound(claim)
+            pod = await self._pods.wait_ready(pod_name)
+            return await self._live.start(image, pod, owner[1], claim, owner)
+        except BaseException:
+            await self._deleter.delete(*owner)
+            raise
 
     async def delete(self, sandbox: Sandbox) -> None:
         """Delete the sandbox's SandboxClaim or Sandbox (the controller deletes its pod) or
@@ -375,12 +395,8 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         raise) an API failure, which ``sandpool gc --run-id`` cleans up later.
         """
         assert isinstance(sandbox, KubernetesSandbox)
-        self._live.pop(sandbox.id, None)
-        if self._by_pod.get(sandbox.pod) is sandbox:
-            del self._by_pod[sandbox.pod]
-        sandbox._mark_dead("deleted by sandpool")
-        await sandbox._close_session()
-        await self._delete_object(*sandbox.owner)
+        await self._live.remove(sandbox)
+        await self._deleter.delete(*sandbox.owner)
 
     async def aclose(self) -> None:
         """Delete everything this run made (by its run-id label) and close the client.
@@ -390,34 +406,13 @@ class KubernetesBackend(ClaimsMixin, PodsMixin, PreflightMixin, PlacementMixin, 
         if self._closed:
             return
         try:
-            await self._close_presessions()
-            live = list(self._live.values())
-            for sb in live:
-                sb._mark_dead("backend closed")
-            await asyncio.gather(*(sb._close_session() for sb in live))
-            if self._flusher is not None:
-                self._flusher.cancel()  # the delete by run id below removes what it held
-            self._live.clear()
-            self._by_pod.clear()
-            if self._http is not None and self._http.writes:  # it may have created something
-                try:
-                    await delete_run(self._http, self.namespace, self.run_id)
-                except errors.SandpoolError as exc:
-                    log.warning(
-                        "could not delete run %s's objects in %s: %s; run `sandpool gc "
-                        "--run-id %s --namespace %s`",
-                        self.run_id,
-                        self.namespace,
-                        exc,
-                        self.run_id,
-                        self.namespace,
-                    )
+            if self._presessions is not None:
+                await self._presessions.aclose()
+            await self._live.aclose()
+            if self._http.writes:  # it may have created something
+                await self._deleter.delete_run()
         finally:
             self._closed = True
-            for inf in (self._pods, self._claims, self._warmpools):
-                if inf is not None:
-                    await inf.aclose()
-            if self._client is not None:
-                await self._client.close()
-
-
+            for watch in self._watches:
+                await watch.aclose()
+            await self._http.aclose()
