@@ -31,7 +31,6 @@ from pathlib import Path
 from k8s_burst import default_kubeconfig, make_repo, scrape
 
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
-from sandpool.testing.kwok import exec_prefix
 
 
 async def run_channel(channel: str, args, kubeconfig: Path, source: Path, admin) -> dict:
@@ -44,7 +43,6 @@ async def run_channel(channel: str, args, kubeconfig: Path, source: Path, admin)
         namespace=namespace,
         mode="pods",
         image_map=lambda n: PodImage(n, workdir_source=str(source)),
-        exec_prefix=exec_prefix,
         agent=channel == "agent",
     )
     try:

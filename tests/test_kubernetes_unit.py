@@ -26,7 +26,6 @@ from sandpool.core.backends.kubernetes._http import (
     backoff_delay,
     parse_retry_after,
 )
-from sandpool.testing.kwok import exec_prefix
 
 
 def _request_info() -> aiohttp.RequestInfo:
@@ -160,29 +159,15 @@ def test_no_status_frame_has_no_exit_code():
     assert parse_status(b'{"status": "Failure", "message": "container not found"}')[0] is None
 
 
-def test_exec_argv_carries_markers_and_the_kwok_confinement_prefix():
-    pod = {"metadata": {"annotations": {m.HOST_WORKDIR: "/w/pod"}}}
-    t = ExecTarget("ns", "pod", "sandbox", "run1-c1", "/testbed", prefix=tuple(exec_prefix(pod, "/testbed")))
+def test_exec_argv_carries_the_markers_the_output_cap_and_the_environment():
+    t = ExecTarget("ns", "pod", "sandbox", "run1-c1", "/testbed")
     argv = build_argv(t, "run1-c1.4", "echo hi", timeout=5, cwd="/testbed", env={"A": "1"})
-    assert argv[0] == "unshare"
+    assert argv[:2] == ["sh", "-c"]  # the container's own shell, found on its PATH
     i = argv.index("sandpool-exec")
     assert argv[i + 4 : i + 8] == ["run1-c1.4", "run1-c1", str(1 << 20), "1"]  # markers, cap, env
     assert argv[i + 8 :] == ["A=1", "/bin/bash", "-c", "echo hi"]
-    assert "/w/pod.tmp" in argv  # the pod's own /tmp, never the host's
-    plain = build_argv(
-        ExecTarget("ns", "pod", "sandbox", "s", "/testbed"),
-        "s.1",
-        ["ls"],
-        timeout=5,
-        cwd="/testbed",
-        env={},
-    )
-    assert plain[0] == "/bin/sh" and "unshare" not in plain and plain[-2:] == ["0", "ls"]
-
-
-def test_kwok_exec_prefix_refuses_a_pod_the_provisioner_did_not_set_up():
-    with pytest.raises(KeyError, match="sandpool.io/workdir"):
-        exec_prefix({"metadata": {"annotations": {}}}, "/testbed")
+    plain = build_argv(t, "run1-c1.5", ["ls"], timeout=5, cwd="/testbed", env={})
+    assert plain[-2:] == ["0", "ls"]
 
 
 def test_manifests_carry_the_run_id_everywhere():

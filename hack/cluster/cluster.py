@@ -77,6 +77,7 @@ RUN_ENTRIES = (
     "kubeconfig",
     "kwok.yaml",
     "provisioner.json",
+    "pod-bin",
 )
 # Start order; `down` stops in reverse.
 COMPONENTS = (
@@ -426,6 +427,8 @@ def spawn(
         "match": Path(argv[0]).name if name != "provisioner" else "provisioner.py",
         "log": str(logfile),
         "argv": argv,
+        # What its environment adds to ours, for a restart (cluster_faults.py).
+        "env": {k: v for k, v in (env or {}).items() if os.environ.get(k) != v},
     }
     save_state(state)
 
@@ -804,6 +807,12 @@ def _start(state, args, bins: Path, out: Path, pki: Path, server: str, kubeconfi
     stages = [(out / "stages" / Path(f).name).read_text() for f in KWOK_NODE_STAGES]
     stages.append((HERE / "pod-stages.yaml").read_text())
     (rd / "kwok.yaml").write_text("\n---\n".join(s.strip() + "\n" for s in stages))
+    # A pod's exec is a kwok child process: container.sh, first on kwok's PATH as `sh` and
+    # `python3`, gives it the pod's filesystem view (and the agent its pid namespace).
+    pod_bin = rd / "pod-bin"
+    pod_bin.mkdir()
+    for name in ("sh", "python3"):
+        (pod_bin / name).symlink_to(HERE / "container.sh")
     spawn(
         state,
         "kwok",
@@ -822,7 +831,7 @@ def _start(state, args, bins: Path, out: Path, pki: Path, server: str, kubeconfi
             "--node-lease-duration-seconds=40",
             "--enable-crds=Exec,ClusterExec,PortForward",
         ],
-        env=env,
+        env=dict(env, PATH=f"{pod_bin}:{env.get('PATH', '/usr/bin:/bin')}"),
     )
     for i in range(args.nodes):
         kube.request(

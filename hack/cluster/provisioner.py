@@ -8,7 +8,8 @@ node:
    (``cp -a``);
 2. creates a kwok ``Exec`` (kwok.x-k8s.io/v1alpha1) named and namespaced like the pod,
    owned by the pod, whose ``local.workDir`` is that directory, so pod exec runs
-   there (per container, with the container's literal ``env`` values);
+   there (per container, with the container's literal ``env`` values and its
+   ``workingDir``, where ``container.sh`` mounts the directory for the exec);
 3. computes the simulated start latency (image pull + sandbox boot, see README.md)
    and annotates the pod with it and with ``sandpool.io/provisioned: "true"``;
    the kwok Stages only start the pod after that annotation, so a pod is never
@@ -204,10 +205,12 @@ class Provisioner:
                 for e in c.get("env") or []
                 if "valueFrom" not in e
             ]
+            # Where container.sh mounts the workdir for the exec (the container's view).
+            image_wd = [{"name": "SANDPOOL_IMAGE_WORKDIR", "value": c.get("workingDir", "")}]
             targets.append(
                 {
                     "containers": [c["name"]],
-                    "local": {"workDir": str(workdir), "envs": envs + base_env},
+                    "local": {"workDir": str(workdir), "envs": envs + base_env + image_wd},
                 }
             )
         exec_obj = {
@@ -335,7 +338,7 @@ class Provisioner:
         if uid is not None and uid_file.read_text() != uid:
             return  # the directory belongs to a newer pod of the same name
         shutil.rmtree(self.workdir(ns, name), ignore_errors=True)
-        # The pod's private /tmp (sandpool.testing.kwok.exec_prefix), next to its workdir.
+        # The pod's private /tmp (container.sh), next to its workdir.
         shutil.rmtree(f"{self.workdir(ns, name)}.tmp", ignore_errors=True)
         shutil.rmtree(f"{self.workdir(ns, name)}.run", ignore_errors=True)
         uid_file.unlink(missing_ok=True)

@@ -67,9 +67,8 @@ SAFE_GIT = ("env -u GIT_DIR -u GIT_WORK_TREE -u GIT_INDEX_FILE -u GIT_OBJECT_DIR
             "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.attributesFile=/dev/null "
             "-c advice.detachedHead=false")
 _SEP = "@@sandpool-verify@@"
-# sandpool's own, not the image's: the Kubernetes exec wrapper's output files, and on kwok
-# the directory bind-mounted at the pod's /tmp (sandpool.testing.kwok).
-_OWN_GIT_PATHS = (".git/sandpool-exec", ".git/sandpool-tmp")
+# sandpool's own, not the image's: the Kubernetes exec wrapper's output files.
+_OWN_GIT_PATHS = (".git/sandpool-exec",)
 
 
 @dataclass(frozen=True)

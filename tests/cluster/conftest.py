@@ -33,6 +33,8 @@ from kubernetes.stream import stream
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_PY = REPO / "hack" / "cluster" / "cluster.py"
+# The cluster's stdlib modules (cluster_faults: kill and restart its components) for the tests.
+sys.path.insert(0, str(CLUSTER_PY.parent))
 RUN_ID = uuid.uuid4().hex[:8]
 RUN_ID_LABEL = "sandpool.io/run-id"
 

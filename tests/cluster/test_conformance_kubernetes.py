@@ -11,7 +11,6 @@ import pytest
 
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
 from sandpool.core.conformance import CHECKS, check_backend
-from sandpool.testing.kwok import exec_prefix
 
 pytestmark = pytest.mark.cluster
 
@@ -38,7 +37,7 @@ async def test_the_kubernetes_backend_on_kwok_runs_the_conformance_suite(
     head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
     backend = KubernetesBackend(cluster.kubeconfig, namespace=namespace, run_id=uuid.uuid4().hex[:8],
                                 image_map=lambda name: PodImage(image=name, workdir_source=str(repo)),
-                                exec_prefix=exec_prefix, agent=channel == "agent")
+                                agent=channel == "agent")
 
     def delete_pod(sb) -> None:  # as an eviction or a node losing the pod would
         cluster.core.delete_namespaced_pod(sb.pod, namespace, grace_period_seconds=0)

@@ -11,7 +11,7 @@ import pytest
 
 from sandpool.core import Task
 from sandpool.integrations.gymnasium import ENV_ID
-from sandpool.testing.kwok import exec_prefix, local_pack_image_map
+from tests.cluster.local_pack import local_pack_image_map
 
 pytestmark = pytest.mark.cluster
 
@@ -20,8 +20,7 @@ pytestmark = pytest.mark.cluster
 def k8s_opts(cluster, namespace: str, test_images_root: Path, calc_task: Task) -> dict:
     return {"tasks": [calc_task], "backend": "kubernetes", "step_timeout": 30.0, "grade_timeout": 120.0,
             "backend_options": {"kubeconfig": str(cluster.kubeconfig), "namespace": namespace,
-                                "image_map": local_pack_image_map(test_images_root),
-                                "exec_prefix": exec_prefix}}
+                                "image_map": local_pack_image_map(test_images_root)}}
 
 
 def test_make_with_the_kubernetes_backend_grades_oracle_1_and_noop_0(k8s_opts: dict, calc_task: Task) -> None:

@@ -19,7 +19,6 @@ from sandpool.core import Outcome, PoolLimits, SandboxPool, Task, errors, run_ro
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage, gc
 from sandpool.core.backends.kubernetes import _manifests as manifests
 from sandpool.core.telemetry import PoolMetrics
-from sandpool.testing.kwok import exec_prefix
 
 pytestmark = pytest.mark.cluster
 
@@ -78,7 +77,6 @@ def backend(cluster, namespace: str, repo_path: Path, **kw) -> KubernetesBackend
         namespace=namespace,
         run_id=kw.pop("run_id", None) or uuid.uuid4().hex[:8],
         image_map=image_map(repo_path),
-        exec_prefix=exec_prefix,
         **kw,
     )
 
@@ -382,7 +380,6 @@ async def test_start_failures_surface_early(cluster, namespace, repo, tmp_path):
         mode="pods",
         ready_timeout=20,
         image_map=lambda n: PodImage(n, workdir_source=str(src)),
-        exec_prefix=exec_prefix,
     )
     try:
         await be.preflight()

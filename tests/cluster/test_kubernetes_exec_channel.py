@@ -2,7 +2,7 @@
 kube-apiserver, agent-sandbox controller and kwok nodes from hack/cluster).
 
 Faults the API cannot be asked for are made by killing cluster components
-(:mod:`sandpool.testing.cluster_faults`): kwok down is a node whose kubelet the API server
+(``hack/cluster/cluster_faults.py``): kwok down is a node whose kubelet the API server
 cannot dial (it upgrades pod exec, then ends it with a 500 ``InternalError`` status), and
 killing kwok or kube-apiserver under an open agent session resets its stream. A
 PriorityLevelConfiguration with no seats throttles a test user's REST requests with real 429s;
@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import cluster_faults  # hack/cluster (on sys.path: conftest.py)
 import pytest
 import yaml
 from kubernetes import client as k8s
@@ -24,8 +25,6 @@ from prometheus_client import CollectorRegistry
 from sandpool.core import Outcome, SandboxPool, run_rollout
 from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
 from sandpool.core.telemetry import PoolMetrics
-from sandpool.testing import cluster_faults
-from sandpool.testing.kwok import exec_prefix
 from tests.cluster.test_kubernetes_backend import backend, eventually, make_task, repo  # noqa: F401
 
 pytestmark = pytest.mark.cluster
@@ -229,8 +228,7 @@ async def test_a_user_throttled_by_api_priority_and_fairness_gets_429s_retried_a
     kubeconfig, cleanup = _throttled_user(cluster, namespace, tmp_path / "throttled.kubeconfig")
     metrics = PoolMetrics(CollectorRegistry())
     be = KubernetesBackend(kubeconfig, namespace=namespace, mode="pods", agent=False,
-                           image_map=lambda name: PodImage(image=name, workdir_source=str(path)),
-                           exec_prefix=exec_prefix)
+                           image_map=lambda name: PodImage(image=name, workdir_source=str(path)))
 
     async def episode(lease) -> float:
         before = be.api_stats["retried"]

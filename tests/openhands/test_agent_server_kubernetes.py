@@ -32,7 +32,7 @@ from sandpool.core.task import Task
 from sandpool.integrations.openhands.pod_server import agent_server_pod_service
 from sandpool.integrations.openhands.server import agent_server_env
 from sandpool.integrations.openhands.workspace import SandpoolWorkspace
-from sandpool.testing.kwok import exec_prefix, local_pack_image_map
+from tests.cluster.local_pack import local_pack_image_map
 from tests.cluster.conftest import RUN_ID, RUN_ID_LABEL, cluster, wait_until  # noqa: F401
 from tests.openhands.test_agent_server import SERVER_MODULES, gold_steps, run_episode
 from tests import waiting
@@ -67,7 +67,7 @@ def _exists(read) -> bool:  # type: ignore[no-untyped-def]
 
 def _pod_visible(src: Path) -> Path:
     """``src`` where a kwok pod can read it: a kwok pod's processes see the host's files except
-    ``/tmp``, which is the pod's own (``sandpool.testing.kwok.exec_prefix``), so a checkout under
+    ``/tmp``, which is the pod's own (``hack/cluster/container.sh``), so a checkout under
     /tmp (a CI clone) is copied under sandpool's home, keyed by its content."""
     digest = hashlib.sha256()
     for f in sorted(p for p in src.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
@@ -83,7 +83,7 @@ def _pod_visible(src: Path) -> Path:
 def _backend(cluster, namespace: str, images_root: Path, **service_kw) -> KubernetesBackend:  # noqa: F811
     service = agent_server_pod_service(agent_server_env(), **service_kw)
     return KubernetesBackend(cluster.kubeconfig, namespace=namespace, image_map=local_pack_image_map(images_root),
-                             exec_prefix=exec_prefix, service=service, ready_timeout=300)
+                             service=service, ready_timeout=300)
 
 
 @pytest.fixture(scope="module")

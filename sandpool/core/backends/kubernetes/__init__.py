@@ -11,8 +11,7 @@ on warm pods), :mod:`._prepull` (placement, :mod:`._placement`, and prepull),
 :mod:`._sandbox` over :mod:`._session` (the agent's exec stream) and :mod:`._exec` (one exec
 per command), :mod:`._service` (a long-lived service per pod) and :mod:`._portforward` (a
 connection to a pod's port). :mod:`._errors` is the one error-translation boundary and
-:mod:`._manifests` the objects sent. The kwok test cluster's pieces live in
-:mod:`sandpool.testing.kwok`.
+:mod:`._manifests` the objects sent.
 
 The client library (``kubernetes_asyncio``, with ``aiohttp``; the ``sandpool[kubernetes]``
 extra) is imported on first use of a name from this package, never by :mod:`sandpool.core`.

@@ -17,9 +17,7 @@ The command runs under a small POSIX-sh wrapper (:data:`WRAPPER`), in the pod:
   in its own process group and kills the whole group on expiry;
 * every process of the exec carries ``SANDPOOL_SANDBOX=<sandbox id>`` and
   ``SANDPOOL_EXEC=<sandbox id>.<n>`` in its environment, so a process that called setsid()
-  to leave the group is still found (and killed on timeout) by its marker;
-* an :class:`ExecTarget` may carry an argv ``prefix`` put before the wrapper (the local
-  kwok cluster confines its host-process exec this way, see :mod:`sandpool.testing.kwok`).
+  to leave the group is still found (and killed on timeout) by its marker.
 """
 
 from __future__ import annotations
@@ -112,9 +110,6 @@ class ExecTarget:
         container: The container name.
         sandbox_id: The sandbox id carried as ``SANDPOOL_SANDBOX`` by every exec.
         workdir: The repo path as commands see it (``/testbed``).
-        prefix: Argv put before every exec's own (e.g. a confinement wrapper that ends in
-            ``exec "$@"``); empty on a real cluster.
-        session_prefix: The same for the long-lived agent session (:mod:`._session`).
     """
 
     namespace: str
@@ -122,8 +117,6 @@ class ExecTarget:
     container: str
     sandbox_id: str
     workdir: str
-    prefix: tuple[str, ...] = ()
-    session_prefix: tuple[str, ...] = ()
 
 
 def parse_status(raw: bytes | None) -> tuple[int | None, str]:
@@ -195,8 +188,7 @@ def build_argv(
     user = ["/bin/bash", "-c", cmd] if isinstance(cmd, str) else list(cmd)
     envs = [f"{k}={v}" for k, v in env.items()]
     return [
-        *target.prefix,
-        "/bin/sh",
+        "sh",  # found on the container's PATH, as any exec's command
         "-c",
         WRAPPER,
         "sandpool-exec",

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from sandpool.core import errors
 from sandpool.core.backends.kubernetes._exec import ExecTarget
 from sandpool.core.backends.kubernetes._http import KubeHttp
 from sandpool.core.backends.kubernetes._images import PodImages
@@ -47,7 +46,6 @@ class LiveSandboxes:
         python: The interpreter command that runs the agent.
         agent_timeout: Seconds the agent may take to say it is ready before the fallback.
         service: The service each sandbox starts before it is handed out, or None.
-        exec_prefix: See :data:`~.backend.ExecPrefix`.
     """
 
     def __init__(
@@ -64,7 +62,6 @@ class LiveSandboxes:
         python: str,
         agent_timeout: float,
         service: PodService | None,
-        exec_prefix: Callable[[Mapping[str, Any], str, bool], Sequence[str]] | None,
     ) -> None:
         self._http = http
         self.namespace = namespace
@@ -77,7 +74,6 @@ class LiveSandboxes:
         self.python = python
         self.agent_timeout = agent_timeout
         self.service = service
-        self.exec_prefix = exec_prefix
         self.agent_fallbacks = 0  #: images whose agent could not start
         self.fallback_sandboxes = 0  #: sandboxes whose commands each open a pod exec
         self._agent_unavailable: dict[str, str] = {}  # image -> why the agent cannot run
@@ -109,27 +105,13 @@ class LiveSandboxes:
         On failure the sandbox is forgotten; the caller deletes ``owner``.
 
         Raises:
-            SandboxStartError: ``exec_prefix`` refused the pod, or the service did not start.
+            SandboxStartError: The service did not start.
             SandboxDied, ExecTransportError, BackendUnavailable: The session could not open.
         """
         pod_name = pod["metadata"]["name"]
         pi = self._images.resolve(image)
-        try:
-            prefix = tuple(self.exec_prefix(pod, pi.workdir, False)) if self.exec_prefix else ()
-            session_prefix = (
-                tuple(self.exec_prefix(pod, pi.workdir, True)) if self.exec_prefix else ()
-            )
-        except (KeyError, ValueError) as exc:
-            raise errors.SandboxStartError(f"pod {pod_name}: exec_prefix: {exc}") from None
-        target = ExecTarget(
-            namespace=self.namespace,
-            pod=pod_name,
-            container=self.container,
-            sandbox_id=f"{self.run_id}-{sid}",
-            workdir=pi.workdir,
-            prefix=prefix,
-            session_prefix=session_prefix,
-        )
+        target = ExecTarget(namespace=self.namespace, pod=pod_name, container=self.container,
+                            sandbox_id=f"{self.run_id}-{sid}", workdir=pi.workdir)
         sb = KubernetesSandbox(self._http, target.sandbox_id, image, target,
                                pod["metadata"]["uid"], claim, agent_python=self.python)
         sb.head = pi.head

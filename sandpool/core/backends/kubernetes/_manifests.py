@@ -47,8 +47,6 @@ RUN_ID_LABEL = "sandpool.io/run-id"
 IMAGE_LABEL = "sandpool.io/image"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "sandpool"}
 WORKDIR_SOURCE = "sandpool.io/workdir-source"
-#: The provisioner's annotation with the pod's workdir on the node host (kwok).
-HOST_WORKDIR = "sandpool.io/workdir"
 PROVISION_ERROR = "sandpool.io/provision-error"
 #: Per-object label: deletes of many objects are batched as one collection delete with
 #: ``sandpool.io/obj in (...)``.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +55,6 @@ class Presessions:
         limit: Sessions open (or opening) at once.
         python: The interpreter command that runs the agent.
         timeout: Seconds the agent may take to say it is ready.
-        exec_prefix: See :data:`~.backend.ExecPrefix`.
     """
 
     def __init__(
@@ -71,7 +70,6 @@ class Presessions:
         limit: int,
         python: str,
         timeout: float,
-        exec_prefix: Callable[[Mapping[str, Any], str, bool], Sequence[str]] | None,
     ) -> None:
         self._http = http
         self.namespace = namespace
@@ -83,7 +81,6 @@ class Presessions:
         self.limit = limit
         self.python = python
         self.timeout = timeout
-        self.exec_prefix = exec_prefix
         self.adopted = 0  #: sessions a claim adopted
         self._pre: dict[str, _Pre] = {}  # pod -> its pre-opened session
         self._taken: set[str] = set()  # pods a sandbox was made of (never pre-opened again)
@@ -127,14 +124,9 @@ class Presessions:
         image = self._warm_pool_image(pod)
         if image is None or image in self._no_agent:
             return
-        workdir = self._images.resolve(image).workdir
-        try:
-            prefix = tuple(self.exec_prefix(pod, workdir, True)) if self.exec_prefix else ()
-        except (KeyError, ValueError):
-            return  # the claim's own start reports it
         target = ExecTarget(namespace=self.namespace, pod=name, container=self.container,
-                            sandbox_id=f"{self.run_id}-pre-{name}", workdir=workdir,
-                            session_prefix=prefix)
+                            sandbox_id=f"{self.run_id}-pre-{name}",
+                            workdir=self._images.resolve(image).workdir)
         self._pre[name] = _Pre(meta["uid"], asyncio.get_running_loop().create_task(
             self._open(target, image), name=f"sandpool-presession-{name}"))
 

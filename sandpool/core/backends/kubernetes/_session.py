@@ -22,7 +22,7 @@ interpreter) makes the image fall back to per-command exec.
 Who can signal the agent. The policy's commands are the agent's children: if they can kill
 it they end the channel, which turns a rollout they are failing into an infra retry. On the
 kwok test cluster the session is started by ``unshare --pid --fork --mount-proc``
-(:func:`sandpool.testing.kwok.exec_prefix`) and the agent is pid 1 of that pid namespace, as
+(``hack/cluster/container.sh``) and the agent is pid 1 of that pid namespace, as
 under the local backend's ``bwrap --as-pid-1``: the kernel drops every signal sent to it from
 inside that it has no handler for (SIGKILL and SIGSTOP too, even from root), so
 ``kill -9 -1`` and ``kill -9 1`` leave it running. On a real cluster a pod exec joins the
@@ -81,7 +81,7 @@ class AgentSession:
 
     Args:
         http: The backend's HTTP layer.
-        target: The pod (``session_prefix`` is put before the agent's argv).
+        target: The pod.
         sandbox_id: For messages.
         python: The interpreter command in the image.
 
@@ -101,7 +101,7 @@ class AgentSession:
         #: The status message when the API server could not reach the node (never started).
         self.unreached: str | None = None
         self._sandbox_id = sandbox_id
-        self._argv = [*target.session_prefix, python, "-I", "-u", "-c", agent_source()]
+        self._argv = [python, "-I", "-u", "-c", agent_source()]
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._reader: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +47,7 @@ from sandpool.core.backends.kubernetes._watch import Informer
 from sandpool.core.base import Backend, Sandbox
 from sandpool.core.telemetry import Telemetry
 
-__all__ = ["ExecPrefix", "ImageMap", "KubernetesBackend", "KubernetesSandbox", "PodService", "gc"]
-
-#: ``(ready pod object, image workdir, session) -> argv`` put before every exec's argv in that
-#: pod, ``session`` True for the agent session's one stream (may raise KeyError/ValueError:
-#: the sandbox fails to start). Only clusters whose pod
-#: exec is not a container exec need one (the kwok test cluster:
-#: :func:`sandpool.testing.kwok.exec_prefix`).
-ExecPrefix = Callable[[Mapping[str, Any], str, bool], Sequence[str]]
+__all__ = ["ImageMap", "KubernetesBackend", "KubernetesSandbox", "PodService", "gc"]
 
 _MODES = ("agent-sandbox", "pods")
 _DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
@@ -84,13 +77,10 @@ class KubernetesBackend(Backend):
         tolerations: ``tolerations`` of the pods (Kubernetes Toleration dicts).
         resources: The container's ``resources`` (ResourceRequirements dict; default requests
             100m CPU and 256Mi memory).
-        image_map: Task image -> :class:`PodImage` (see :data:`ImageMap`); for the local
-            task pack on the kwok cluster use :func:`sandpool.testing.kwok.local_pack_image_map`.
+        image_map: Task image -> :class:`PodImage` (see :data:`ImageMap`).
         container: Container name in the pod.
         command: The container's command (it must keep running; exec does the work).
         ready_timeout: Seconds a claim or pod may take to become Ready before ``InfraTimeout``.
-        exec_prefix: See :data:`ExecPrefix`; None on a real cluster. The kwok test cluster
-            needs :func:`sandpool.testing.kwok.exec_prefix`.
         reuse_spares: With a reusing strategy, warm (unclaimed) replicas kept per image as
             spares for quarantined or dead sandboxes (each is one more pod).
         controller_timeout: Seconds preflight waits for the agent-sandbox controller to answer.
@@ -143,7 +133,6 @@ class KubernetesBackend(Backend):
         container: str = "sandbox",
         command: Sequence[str] = ("sleep", "infinity"),
         ready_timeout: float = 90.0,
-        exec_prefix: ExecPrefix | None = None,
         reuse_spares: int = 0,
         controller_timeout: float = 15.0,
         controller_version: str | None = None,
@@ -189,12 +178,10 @@ class KubernetesBackend(Backend):
         if self._claims is not None and agent and presessions > 0:
             self._presessions = Presessions(
                 http, ns, run, container, images, pod_watch, self._claims.warm_pool_image,
-                limit=presessions, python=agent_python, timeout=agent_timeout,
-                exec_prefix=exec_prefix)
+                limit=presessions, python=agent_python, timeout=agent_timeout)
         self._live = LiveSandboxes(
             http, ns, run, container, images, pod_watch, self._presessions, agent=agent,
-            python=agent_python, agent_timeout=agent_timeout, service=service,
-            exec_prefix=exec_prefix)
+            python=agent_python, agent_timeout=agent_timeout, service=service)
         self._pods = Pods(http, ns, run, images, pod_watch, ready_timeout)
         self._placement = Placement(http, ns, run, images, pod_watch)
         self._preflight = Preflight(

@@ -1,10 +1,10 @@
-"""Faults of the local test cluster's control plane (``hack/cluster``), injected on demand.
+"""Faults of the local test cluster's control plane, injected on demand.
 
 Used by the fault matrix (``bench/_k8s_faults.py``) and the cluster tests for what a failing
 cluster does that cannot be asked of it through its API: a component killed and started
 again (kube-apiserver: every stream through it breaks; kwok, the nodes' kubelet: the API
 server cannot dial it and answers 500 on pod exec), or started again with other flags.
-Test-cluster only; nothing here is used on a real cluster.
+Standard library only; import it with this directory on ``sys.path``.
 """
 
 from __future__ import annotations
@@ -60,16 +60,17 @@ def kill(run_dir: Path, name: str) -> None:
 
 
 def start(run_dir: Path, name: str, extra: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> None:
-    """Start component ``name`` again with the flags it last ran with (+ ``extra``, flags
-    starting with any of ``drop`` removed); ``state.json`` gets the new pid and argv, so
-    ``cluster.py down`` stops it."""
+    """Start component ``name`` again with the flags and environment it last ran with
+    (+ ``extra``, flags starting with any of ``drop`` removed); ``state.json`` gets the new
+    pid and argv, so ``cluster.py down`` stops it."""
     state = json.loads(_state_path(run_dir).read_text())
     proc = state["processes"][_component(state, name)]
     argv = [a for a in proc["argv"] if not a.startswith(drop)] if drop else list(proc["argv"])
     argv += list(extra)
     with open(proc["log"], "ab") as log:
         p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             cwd=run_dir, start_new_session=True)
+                             cwd=run_dir, env=dict(os.environ, **proc.get("env", {})),
+                             start_new_session=True)
     _STARTED.append(p)
     proc["pid"], proc["argv"] = p.pid, argv
     _state_path(run_dir).write_text(json.dumps(state, indent=2))

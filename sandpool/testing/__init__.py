@@ -1,1 +1,0 @@
-"""Helpers for sandpool's own test clusters and benchmarks; never used by the runtime."""
