@@ -9,13 +9,13 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sandpool.core import errors
 from sandpool.core.base import ResourceLimits
 from sandpool.core.metrics import Outcome, RejectedTask, RolloutResult
 from sandpool.core.paths import sandpool_home
 from sandpool.core.pool import PoolLimits
+from sandpool.progress import Progress
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Warm pools of isolated sandboxes for SWE-style RL and evaluation.")
@@ -36,19 +36,17 @@ def _validate_first(task_list: list, *, grade_timeout: float = 300.0) -> tuple[l
     from sandpool.core.backends.local import LocalBackend
     from sandpool.envs.grading.validate import validated
 
-    with Progress(TextColumn("[bold]validate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        job = bar.add_task("", total=None)
+    with Progress("validate", None, console, transient=True) as bar:
 
         def start(n: int) -> None:
-            bar.update(job, total=n)
+            bar.set_total(n)
             if n:
                 console.print(f"[bold]validate[/]: gold and empty patch on {n} task(s) not validated "
                               "on their image before (once; --no-validate skips)")
 
         runnable, broken, _ = asyncio.run(validated(
             task_list, LocalBackend, concurrency=2, grade_timeout=grade_timeout, on_start=start,
-            on_result=lambda v: bar.update(job, advance=1)))
+            on_result=lambda v: bar.advance()))
     return runnable, broken
 
 
@@ -68,12 +66,10 @@ def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int
 
     rejected: list[RejectedTask] = []
     task_list = load_tasks(path, rejected=rejected, resolve_base=local_base_resolver())
-    with Progress(TextColumn("[bold]validate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:
-        job = bar.add_task("", total=len(task_list))
+    with Progress("validate", len(task_list), console) as bar:
         result = asyncio.run(validate_tasks(task_list, LocalBackend, concurrency=concurrency,
                                             grade_timeout=grade_timeout, rejected=rejected,
-                                            on_result=lambda v: bar.update(job, advance=1),
+                                            on_result=lambda v: bar.advance(),
                                             cache=ValidationCache()))
     result.write(tasks_out, report_out)
     print(result.render_text())
@@ -149,14 +145,12 @@ def run(
             raise typer.Exit(2) from None
         console.print(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
 
-    with Progress(TextColumn("[bold]rollouts"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.description}"), console=console) as bar:
-        # Rejected rows count as the rollouts they would have been: the bar ends at its total.
-        job = bar.add_task("", total=(len(task_list) + len(rejected)) * rollouts)
+    # Rejected rows count as the rollouts they would have been: the bar ends at its total.
+    with Progress("rollouts", (len(task_list) + len(rejected)) * rollouts, console) as bar:
 
         def on_result(r: RolloutResult) -> None:
             counts[r.outcome] += 1
-            bar.update(job, advance=1, description="  ".join(f"{o.value} {n}" for o, n in counts.items()))
+            bar.advance("  ".join(f"{o.value} {n}" for o, n in counts.items()))
 
         try:
             report = asyncio.run(run_batch(

@@ -51,3 +51,54 @@ def test_the_readme_python_example_runs_as_written(default_pack_path: Path, tmp_
     exit_code, reward, ttfc = res.stdout.split()
     assert (exit_code, reward) == ("0", "0.0")  # the unfixed task: git status ok, not resolved
     assert float(ttfc) > 0
+
+
+# Runs a command as a child subreaper (every orphan of its tree becomes ours), then reports
+# what of that tree is still running once the command has exited, and kills it. Zombies are
+# reaped first: a process whose parent was SIGKILLed (a sandbox's init when its bubblewrap
+# is killed) is dead, not left running.
+_SUBREAPER = """
+import ctypes, json, os, signal, subprocess, sys
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+rc = subprocess.run(sys.argv[1:]).returncode
+while True:
+    try:
+        if os.waitpid(-1, os.WNOHANG) == (0, 0):
+            break
+    except ChildProcessError:
+        break
+left = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\\0", b" ").decode(errors="replace")
+    except OSError:
+        continue
+    if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+        left.append(cmd)
+        os.kill(int(pid), signal.SIGKILL)
+print(json.dumps({"rc": rc, "left": left}))
+"""
+
+
+def test_a_run_without_a_terminal_logs_every_figure_and_leaves_no_process(
+        default_pack_path: Path, tmp_path: Path) -> None:
+    import json
+    import re
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "sandpool.cli", "run", "--tasks", str(default_pack_path),
+           "--limit", "1", "--rollouts", "2", "--concurrency", "1", "--no-validate",
+           "--out", str(tmp_path)]
+    res = subprocess.run([sys.executable, "-c", _SUBREAPER, *cmd], capture_output=True,
+                         text=True, timeout=600)  # stderr is a pipe: no terminal
+    end = json.loads(res.stdout.splitlines()[-1])
+    assert end == {"rc": 0, "left": []}, res.stderr[-3000:]
+    lines = [x for x in res.stderr.splitlines() if x.startswith("rollouts")]
+    assert lines[0] == "rollouts 0/2 (0%) 0:00:00"
+    assert re.fullmatch(r"rollouts 2/2 \(100%\) \d+:\d\d:\d\d  completed (\d) {2}infra_failed (\d) "
+                        r"{2}task_failed (\d) {2}rejected (\d)", lines[-1]), lines
+    assert "…" not in res.stderr and "━" not in res.stderr
