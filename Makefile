@@ -18,10 +18,10 @@ SANDPOOL_SRC := pyproject.toml $(shell find sandpool -type f -not -name '*.pyc' 
 sysdeps:
 	@command -v bwrap >/dev/null && command -v git >/dev/null && command -v skopeo >/dev/null \
 	  && command -v umoci >/dev/null && command -v mmdebstrap >/dev/null && command -v mkfs.ext4 >/dev/null \
-	  && command -v docker-registry >/dev/null || { \
-	  echo "installing bubblewrap, git, skopeo, umoci, mmdebstrap, e2fsprogs, docker-registry (Debian packages)"; \
+	  && command -v docker-registry >/dev/null && command -v runc >/dev/null && test -x /usr/lib/cni/ptp || { \
+	  echo "installing bubblewrap, git, skopeo, umoci, mmdebstrap, e2fsprogs, docker-registry, runc, CNI plugins (Debian packages)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap git skopeo umoci \
-	    mmdebstrap e2fsprogs docker-registry >/dev/null; }
+	    mmdebstrap e2fsprogs docker-registry runc containernetworking-plugins >/dev/null; }
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. pyenv install 3.12) and retry"; exit 1; }
@@ -60,6 +60,7 @@ test: sysdeps venv cluster-build
 
 cluster-build: venv
 	$(VENV)/bin/python hack/cluster/cluster.py build
+	$(VENV)/bin/python hack/cluster/nodebuild.py
 
 bench: sysdeps venv
 	$(VENV)/bin/python bench/local_strategies.py

@@ -3,27 +3,27 @@
 
 Usage:
     python3 hack/cluster/cluster.py build            # compile into the cache (no-op when cached)
-    python3 hack/cluster/cluster.py up [--nodes 10]  # build if needed, start, wait until ready
+    python3 hack/cluster/cluster.py up [--nodes 10] [--real-nodes 1]
+                                                     # build if needed, start, wait until ready
     python3 hack/cluster/cluster.py status           # processes, endpoints, log files
+    python3 hack/cluster/cluster.py push SRC IMAGE   # an image into the real nodes' registry
     python3 hack/cluster/cluster.py down             # stop every process `up` started
 
 The real components are built with the machine's Go toolchain from the Go module
-proxy, at the versions pinned in hack/cluster/versions.env. Standard library only.
-It is one script of ~1040 lines because it must run before any venv exists (CI's first step),
-as a single stdlib file.
+proxy, at the versions pinned in hack/cluster/versions.env. Standard library only (it runs
+before any venv exists, CI's first step); its parts: gobuild.py (Go builds), procs.py
+(processes and state), pki.py, and for real nodes nodebuild.py and realnode.py.
 See hack/cluster/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
 import hashlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +32,34 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+import nodebuild
+import realnode
+from gobuild import (
+    build_kubernetes,
+    cache_root,
+    control_plane_pins,
+    find_go,
+    go_version,
+    module_dir,
+    read_versions,
+    write_module,
+)
+from gobuild import go as _go
 from kubeapi import ApiError, Kube, split_yaml_documents
+from pki import make_pki, write_kubeconfig
+from procs import (
+    alive,
+    free_port,
+    group_members,
+    is_ours,
+    kubeconfig_path,
+    load_state,
+    log,
+    run_dir,
+    save_state,
+    spawn,
+    wait_for,
+)
 
 RECIPE = "1"  # bump when the build recipe below changes in a way that changes the binaries
 BINARIES = (
@@ -57,15 +84,6 @@ KWOK_NODE_STAGES = (
     "node/fast/node-initialize.yaml",
     "node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
 )
-APISERVER_SANS = (
-    "IP:127.0.0.1",
-    "IP:10.96.0.1",
-    "DNS:localhost",
-    "DNS:kubernetes",
-    "DNS:kubernetes.default",
-    "DNS:kubernetes.default.svc",
-    "DNS:kubernetes.default.svc.cluster.local",
-)
 # What `up` writes into the run directory (and clears at the next `up`).
 RUN_ENTRIES = (
     "state.json",
@@ -78,6 +96,9 @@ RUN_ENTRIES = (
     "kwok.yaml",
     "provisioner.json",
     "pod-bin",
+    "nodes",
+    "registry",
+    "registry.yml",
 )
 # Start order; `down` stops in reverse.
 COMPONENTS = (
@@ -91,56 +112,13 @@ COMPONENTS = (
 )
 
 
-def log(msg: str) -> None:
-    print(f"[cluster {time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 # ---- configuration -------------------------------------------------------------------
-def read_versions() -> dict[str, str]:
-    out = {}
-    for line in (HERE / "versions.env").read_text().splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            k, _, v = line.partition("=")
-            out[k.strip()] = v.strip()
-    return out
-
-
-def cache_root() -> Path:
-    if os.environ.get("SANDPOOL_CLUSTER_CACHE"):
-        return Path(os.environ["SANDPOOL_CLUSTER_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "sandpool" / "cluster"
-
-
-def run_dir() -> Path:
-    """Where `up` keeps state, PKI, logs, etcd data and pod workdirs."""
-    return Path(os.environ.get("SANDPOOL_CLUSTER_RUN_DIR") or cache_root() / "run")
-
-
-def kubeconfig_path() -> Path:
-    return Path(os.environ.get("SANDPOOL_CLUSTER_KUBECONFIG") or run_dir() / "kubeconfig")
-
-
-def find_go() -> str:
-    for cand in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
-        if cand and Path(cand).exists():
-            return cand
-    sys.exit("cluster: no Go toolchain found (set GO=/path/to/go)")
-
-
-def go_version(go: str) -> str:
-    return subprocess.run(
-        [go, "env", "GOVERSION"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
 def build_dir(go: str | None = None) -> Path:
     """`<cache>/<versions-key>/`: the key names the versions and hashes the pin file + toolchain."""
     v = read_versions()
     go = go or find_go()
     digest = hashlib.sha256(
-        (HERE / "versions.env").read_bytes() + go_version(go).encode() + RECIPE.encode()
+        control_plane_pins() + go_version(go).encode() + RECIPE.encode()
     ).hexdigest()
     key = (
         f"k8s-{v['KUBERNETES_VERSION']}_etcd-{v['ETCD_VERSION']}_kwok-{v['KWOK_VERSION']}"
@@ -150,43 +128,6 @@ def build_dir(go: str | None = None) -> Path:
 
 
 # ---- build -------------------------------------------------------------------------------
-def _go(go: str, args: list[str], cwd: Path, logf, **extra_env: str) -> None:
-    env = dict(
-        os.environ, CGO_ENABLED="0", GOFLAGS="-buildvcs=false -trimpath", GOWORK="off", **extra_env
-    )
-    logf.write(f"\n$ (cd {cwd}) go {' '.join(args)}\n")
-    logf.flush()
-    res = subprocess.run(
-        [go, *args], check=False, cwd=cwd, env=env, stdout=logf, stderr=subprocess.STDOUT
-    )
-    if res.returncode:
-        sys.exit(f"cluster: `go {' '.join(args[:3])} ...` failed; see {logf.name}")
-
-
-def _module_dir(go: str, module: str, version: str, cwd: Path) -> Path:
-    res = subprocess.run(
-        [go, "mod", "download", "-json", f"{module}@{version}"],
-        check=False,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, GOWORK="off", GOFLAGS="-mod=mod"),
-    )
-    if res.returncode:
-        sys.exit(f"cluster: go mod download {module}@{version} failed:\n{res.stdout}{res.stderr}")
-    return Path(json.loads(res.stdout)["Dir"])
-
-
-def _write_module(d: Path, name: str, gomod_tail: str, tools: list[str] | None = None) -> None:
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "go.mod").write_text(f"module sandpool.local/cluster/{name}\n\ngo 1.26.0\n\n{gomod_tail}")
-    if tools:
-        imports = "\n".join(f'\t_ "{t}"' for t in tools)
-        (d / "tools.go").write_text(
-            f"//go:build tools\n\npackage tools\n\nimport (\n{imports}\n)\n"
-        )
-
-
 def build(args: argparse.Namespace | None = None) -> Path:
     """Compile every binary and collect the CRDs; return the versions directory."""
     go = find_go()
@@ -222,7 +163,7 @@ def build(args: argparse.Namespace | None = None) -> Path:
                     "go.etcd.io/etcd/pkg/v3",
                 )
             )
-            _write_module(src, "etcd", f"require (\n{reqs})\n")
+            write_module(src, "etcd", f"require (\n{reqs})\n")
             log(f"build: etcd {ev}")
             _go(go, ["get", f"{v['ETCD_MODULE']}@{ev}"], src, logf)
             _go(
@@ -260,7 +201,7 @@ def build(args: argparse.Namespace | None = None) -> Path:
             if src.exists():
                 shutil.rmtree(src)
             subprocess.run(
-                ["cp", "-r", str(_module_dir(go, v["AGENT_SANDBOX_MODULE"], av, out)), str(src)],
+                ["cp", "-r", str(module_dir(go, v["AGENT_SANDBOX_MODULE"], av, out)), str(src)],
                 check=True,
             )
             subprocess.run(["chmod", "-R", "u+w", str(src)], check=True)
@@ -285,55 +226,16 @@ def build(args: argparse.Namespace | None = None) -> Path:
         kube_bins = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
         if not all((bin_dir / b).exists() for b in kube_bins):
             t = time.monotonic()
-            kv, sv = v["KUBERNETES_VERSION"], v["KUBERNETES_STAGING_VERSION"]
-            src = out / "src" / "kubernetes"
-            src.mkdir(parents=True, exist_ok=True)
-            kdir = _module_dir(go, v["KUBERNETES_MODULE"], kv, src)
-            staging = [
-                line.split("=>")[0].strip()
-                for line in (kdir / "go.mod").read_text().splitlines()
-                if "=> ./staging/src/" in line
-            ]
-            replaces = "".join(f"\t{m} => {m} {sv}\n" for m in staging)
-            _write_module(
-                src,
-                "kubernetes",
-                f"godebug default=go1.26\n\nrequire {v['KUBERNETES_MODULE']} {kv}\n\nreplace (\n{replaces})\n",
-                tools=[f"{v['KUBERNETES_MODULE']}/cmd/{b}" for b in kube_bins],
-            )
-            log(f"build: kube-apiserver, kube-controller-manager, kube-scheduler {kv} (slow)")
-            _go(go, ["mod", "tidy"], src, logf)
-            major, minor = kv.lstrip("v").split(".")[:2]
-            ldflags = " ".join(
-                [
-                    "-s -w",
-                    f"-X k8s.io/component-base/version.gitVersion={kv}",
-                    f"-X k8s.io/component-base/version.gitMajor={major}",
-                    f"-X k8s.io/component-base/version.gitMinor={minor}",
-                    "-X k8s.io/component-base/version.gitTreeState=clean",
-                    f"-X k8s.io/client-go/pkg/version.gitVersion={kv}",
-                ]
-            )
+            log(f"build: kube-apiserver, kube-controller-manager, kube-scheduler "
+                f"{v['KUBERNETES_VERSION']} (slow)")
             tmp = out / "src" / "kube-out"
-            tmp.mkdir(exist_ok=True)
-            _go(
-                go,
-                [
-                    "build",
-                    f"-ldflags={ldflags}",
-                    "-o",
-                    f"{tmp}/",
-                    *[f"{v['KUBERNETES_MODULE']}/cmd/{b}" for b in kube_bins],
-                ],
-                src,
-                logf,
-            )
+            build_kubernetes(go, v, out / "src" / "kubernetes", tmp, kube_bins, logf)
             for b in kube_bins:
                 (tmp / b).rename(bin_dir / b)
             timings["kubernetes"] = time.monotonic() - t
         # CRDs and kwok's node stages, from the downloaded modules.
-        asdir = _module_dir(go, v["AGENT_SANDBOX_MODULE"], v["AGENT_SANDBOX_VERSION"], out)
-        kwdir = _module_dir(go, v["KWOK_MODULE"], v["KWOK_VERSION"], out)
+        asdir = module_dir(go, v["AGENT_SANDBOX_MODULE"], v["AGENT_SANDBOX_VERSION"], out)
+        kwdir = module_dir(go, v["KWOK_MODULE"], v["KWOK_VERSION"], out)
         for f in SANDBOX_CRDS:
             shutil.copyfile(asdir / "k8s" / "crds" / f, out / "crds" / f)
         for f in (*KWOK_CRDS, *KWOK_LATE_CRDS):
@@ -355,201 +257,6 @@ def build(args: argparse.Namespace | None = None) -> Path:
     )
     log(f"build: done in {total:.0f} s ({', '.join(f'{k} {x:.0f} s' for k, x in timings.items())})")
     return out
-
-
-# ---- processes -----------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def load_state() -> dict[str, Any] | None:
-    p = run_dir() / "state.json"
-    return json.loads(p.read_text()) if p.exists() else None
-
-
-def save_state(state: dict[str, Any]) -> None:
-    p = run_dir() / "state.json"
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state, indent=2))
-    tmp.rename(p)
-
-
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def is_ours(proc: dict[str, Any]) -> bool:
-    """The recorded pid is still the process we started (not a recycled pid)."""
-    try:
-        cmdline = Path(f"/proc/{proc['pid']}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    return alive(proc["pid"]) and any(proc["match"].encode() in part for part in cmdline[:3])
-
-
-def group_members(pgids: set[int]) -> list[int]:
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) in pgids and fields[0] not in ("Z", "X"):
-                pids.append(int(d.name))
-    return pids
-
-
-def spawn(
-    state: dict[str, Any], name: str, argv: list[str], env: dict[str, str] | None = None
-) -> None:
-    logs = run_dir() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    logfile = logs / f"{name}.log"
-    with open(logfile, "ab") as f:
-        p = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            cwd=run_dir(),
-            env=env,
-            start_new_session=True,
-        )
-    state["processes"][name] = {
-        "pid": p.pid,
-        "match": Path(argv[0]).name if name != "provisioner" else "provisioner.py",
-        "log": str(logfile),
-        "argv": argv,
-        # What its environment adds to ours, for a restart (cluster_faults.py).
-        "env": {k: v for k, v in (env or {}).items() if os.environ.get(k) != v},
-    }
-    save_state(state)
-
-
-def wait_for(
-    what: str,
-    check,
-    timeout: float,
-    state: dict[str, Any] | None = None,
-    component: str | None = None,
-) -> None:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        if component and state and not alive(state["processes"][component]["pid"]):
-            log_tail = Path(state["processes"][component]["log"]).read_text(errors="replace")[
-                -3000:
-            ]
-            raise SystemExit(f"cluster: {component} exited during startup; log tail:\n{log_tail}")
-        try:
-            if check():
-                return
-        except Exception as e:  # noqa: BLE001 - readiness probes fail in many ways until ready
-            last = e
-        time.sleep(0.2)
-    raise SystemExit(
-        f"cluster: timed out after {timeout:.0f} s waiting for {what} (last error: {last})"
-    )
-
-
-# ---- PKI and kubeconfig --------------------------------------------------------------------
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
-
-
-def make_pki(pki: Path) -> None:
-    pki.mkdir(parents=True, exist_ok=True)
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl(
-        "req",
-        "-x509",
-        *ec,
-        "-keyout",
-        str(pki / "ca.key"),
-        "-out",
-        str(pki / "ca.crt"),
-        "-days",
-        "3650",
-        "-subj",
-        "/CN=sandpool-cluster-ca",
-    )
-    certs = {
-        "apiserver": (
-            "/CN=kube-apiserver",
-            "serverAuth",
-            ",".join(APISERVER_SANS),
-        ),
-        "kwok": ("/CN=kwok-kubelet", "serverAuth", "IP:127.0.0.1,DNS:localhost"),
-        "admin": ("/O=system:masters/CN=sandpool-admin", "clientAuth", None),
-    }
-    for name, (subj, usage, san) in certs.items():
-        ext = pki / f"{name}.ext"
-        ext.write_text(
-            f"extendedKeyUsage={usage}\nkeyUsage=critical,digitalSignature,keyEncipherment\n"
-            + (f"subjectAltName={san}\n" if san else "")
-        )
-        _openssl(
-            "req",
-            "-new",
-            *ec,
-            "-keyout",
-            str(pki / f"{name}.key"),
-            "-out",
-            str(pki / f"{name}.csr"),
-            "-subj",
-            subj,
-        )
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            str(pki / f"{name}.csr"),
-            "-CA",
-            str(pki / "ca.crt"),
-            "-CAkey",
-            str(pki / "ca.key"),
-            "-CAcreateserial",
-            "-days",
-            "3650",
-            "-out",
-            str(pki / f"{name}.crt"),
-            "-extfile",
-            str(ext),
-        )
-    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", str(pki / "sa.key"))
-    _openssl("ec", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
-
-
-def write_kubeconfig(path: Path, server: str, pki: Path) -> None:
-    b64 = lambda p: base64.b64encode(p.read_bytes()).decode()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"""apiVersion: v1
-kind: Config
-clusters:
-- name: sandpool
-  cluster:
-    server: {server}
-    certificate-authority-data: {b64(pki / "ca.crt")}
-users:
-- name: sandpool-admin
-  user:
-    client-certificate-data: {b64(pki / "admin.crt")}
-    client-key-data: {b64(pki / "admin.key")}
-contexts:
-- name: sandpool
-  context:
-    cluster: sandpool
-    user: sandpool-admin
-current-context: sandpool
-""")
-    path.chmod(0o600)
 
 
 # ---- up / down / status ----------------------------------------------------------------------
@@ -599,6 +306,10 @@ def up(args: argparse.Namespace) -> None:
     if running(load_state()):
         sys.exit(f"cluster: already running ({', '.join(running(load_state()))}); run `down` first")
     out = build()
+    if args.real_nodes:
+        nodebuild.build_node()
+    if (old := load_state()) and old.get("real_nodes"):  # an earlier run that did not get to `down`
+        realnode.stop(old, None)
     t_up = time.monotonic()
     bins = out / "bin"
     rd = run_dir()
@@ -632,6 +343,7 @@ def up(args: argparse.Namespace) -> None:
         "kubeconfig": str(kubeconfig),
         "ports": ports,
         "nodes": args.nodes,
+        "real_nodes": [],
         "processes": {},
         "pod_root": str(rd / "pods"),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -739,7 +451,7 @@ def _start(state, args, bins: Path, out: Path, pki: Path, server: str, kubeconfi
     missing = [f for f in KWOK_LATE_CRDS if not (out / "crds" / f).exists()]
     if missing:
         v = read_versions()
-        kwdir = _module_dir(find_go(), v["KWOK_MODULE"], v["KWOK_VERSION"], out)
+        kwdir = module_dir(find_go(), v["KWOK_MODULE"], v["KWOK_VERSION"], out)
         for f in missing:
             shutil.copyfile(kwdir / "kustomize" / "crd" / "bases" / f, out / "crds" / f)
     crd_names = []
@@ -794,6 +506,8 @@ def _start(state, args, bins: Path, out: Path, pki: Path, server: str, kubeconfi
         "jitter": args.jitter,
         "preload_images": [i for i in args.preload_images.split(",") if i],
         "image_model": image_model_params(args),
+        # pods on real nodes are the kubelet's, not the provisioner's
+        "real_nodes": [realnode.node_name(i) for i in range(args.real_nodes)],
     }
     state["image_model"] = prov_cfg["image_model"]
     save_state(state)
@@ -872,6 +586,9 @@ def _start(state, args, bins: Path, out: Path, pki: Path, server: str, kubeconfi
         state,
         "agent-sandbox-controller",
     )
+    if args.real_nodes:
+        realnode.start(state, args.real_nodes, nodebuild.build_node() / "bin", pki, server, kube,
+                       pod_pids=args.real_node_pod_pids)
     for name in COMPONENTS:
         if not alive(state["processes"][name]["pid"]):
             raise SystemExit(
@@ -884,6 +601,9 @@ def down(_: argparse.Namespace | None) -> None:
     if not state:
         log("down: nothing recorded as running")
         return
+    if state.get("real_nodes"):
+        node_bins = nodebuild.node_build_dir() / "bin"
+        realnode.stop(state, node_bins if node_bins.exists() else None)
     procs = state.get("processes", {})
     order = [n for n in reversed(COMPONENTS) if n in procs] + [
         n for n in procs if n not in COMPONENTS
@@ -915,6 +635,8 @@ def down(_: argparse.Namespace | None) -> None:
     save_state(state)
     if left:
         sys.exit(f"cluster: down: processes still alive: {left}")
+    if remains := realnode.leftovers(state):
+        sys.exit("cluster: down: the real nodes left:\n  " + "\n  ".join(remains))
     log("down: all cluster processes stopped")
 
 
@@ -953,6 +675,9 @@ def status(_: argparse.Namespace) -> None:
             for n in nodes
         )
         print(f"nodes:       {ready}/{len(nodes)} Ready")
+        if state.get("real_nodes"):
+            print("real nodes:")
+            print("\n".join(realnode.status_lines(state, kube)))
     except (ApiError, OSError) as e:
         print(f"apiserver:   unreachable ({e})")
         sys.exit(1)
@@ -971,6 +696,18 @@ def main(argv: list[str] | None = None) -> None:
     p_up = sub.add_parser("up", help="build if needed, start the cluster, wait until it is ready")
     env = os.environ.get
     p_up.add_argument("--nodes", type=int, default=int(env("SANDPOOL_CLUSTER_NODES", "10")))
+    p_up.add_argument(
+        "--real-nodes",
+        type=int,
+        default=int(env("SANDPOOL_CLUSTER_REAL_NODES", "0")),
+        help="real nodes (kubelet, containerd, runc, CNI) beside the kwok nodes; see realnode.py",
+    )
+    p_up.add_argument(
+        "--real-node-pod-pids",
+        type=int,
+        default=int(env("SANDPOOL_CLUSTER_REAL_NODE_POD_PIDS", "1024")),
+        help="the real nodes' podPidsLimit (processes and threads per pod)",
+    )
     p_up.add_argument("--node-cpu", default="32")
     p_up.add_argument("--node-memory", default="256Gi")
     p_up.add_argument("--node-pods", default="110")
@@ -1036,6 +773,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p_up.set_defaults(fn=up)
     sub.add_parser("down", help="stop every process `up` started").set_defaults(fn=down)
+    p_push = sub.add_parser("push", help="copy an image to the real nodes' registry")
+    p_push.add_argument("source", help="skopeo source, e.g. oci:/path/layout:tag")
+    p_push.add_argument("image", help=f"{realnode.REGISTRY_HOST}/<path>:<tag>")
+    p_push.set_defaults(fn=lambda a: realnode.push(load_state() or {}, a.source, a.image))
     sub.add_parser("status", help="show processes, endpoints and log files").set_defaults(fn=status)
     args = parser.parse_args(argv)
     args.fn(args)

@@ -92,6 +92,7 @@ class Provisioner:
         self._images_lock = threading.Lock()
         self._queues = [queue.Queue() for _ in range(int(cfg.get("workers", 8)))]
         self._done: set[str] = set()  # pod uids provisioned (or given up on)
+        self._real_nodes = frozenset(cfg.get("real_nodes", ()))
         # The seed's image conditions (imagemodel.py), or None for the flat pull model.
         self.model = (
             ImageModel(cfg["image_model"], self.root / "image-model.jsonl")
@@ -425,6 +426,8 @@ class Provisioner:
             self._dispatch(kind, pod)
             return
         if meta.get("deletionTimestamp") or not pod["spec"].get("nodeName"):
+            return
+        if pod["spec"]["nodeName"] in self._real_nodes:  # the kubelet's, not kwok's
             return
         if (meta.get("annotations") or {}).get(ANN + "provisioned") == "true":
             self._done.add(meta["uid"])

@@ -33,6 +33,7 @@ from kubernetes.stream import stream
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER_PY = REPO / "hack" / "cluster" / "cluster.py"
+NODEBUILD_PY = REPO / "hack" / "cluster" / "nodebuild.py"
 # The cluster's stdlib modules (cluster_faults: kill and restart its components) for the tests.
 sys.path.insert(0, str(CLUSTER_PY.parent))
 RUN_ID = uuid.uuid4().hex[:8]
@@ -47,6 +48,14 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "cluster: needs the local Kubernetes cluster from hack/cluster (slow first build)",
     )
+    config.addinivalue_line(
+        "markers",
+        "real_node: needs a real node (kubelet, containerd, runc) in that cluster; the session's "
+        "cluster then starts one (`up --real-nodes 1`)",
+    )
+
+
+_WANT_REAL_NODE = False  # set at collection: some selected test runs on a real node
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -55,6 +64,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     Only when pytest-timeout is active and the binaries are not built yet; running
     ``python3 hack/cluster/cluster.py build`` before pytest avoids this entirely.
     """
+    global _WANT_REAL_NODE
+    _WANT_REAL_NODE = any(item.get_closest_marker("real_node") for item in items)
     if (
         not config.pluginmanager.hasplugin("timeout")
         or os.environ.get("SANDPOOL_CLUSTER_REUSE") == "1"
@@ -63,11 +74,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first = next((item for item in items if item.get_closest_marker("cluster")), None)
     if first is None:
         return
-    built = subprocess.run(
-        [sys.executable, str(CLUSTER_PY), "build", "--check"], check=False, capture_output=True
-    )
-    if built.returncode != 0:
-        first.add_marker(pytest.mark.timeout(BUILD_TIMEOUT_S))
+    checks = [[str(CLUSTER_PY), "build", "--check"]]
+    if _WANT_REAL_NODE:
+        checks.append([str(NODEBUILD_PY), "--check"])
+    for argv in checks:
+        if subprocess.run([sys.executable, *argv], check=False, capture_output=True).returncode:
+            first.add_marker(pytest.mark.timeout(BUILD_TIMEOUT_S))
+            break
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +143,7 @@ def cluster() -> Iterator[ClusterInfo]:
         (run_dir / "owner.pid").write_text(str(os.getpid()))
         env["SANDPOOL_CLUSTER_RUN_DIR"] = str(run_dir)
         env.pop("SANDPOOL_CLUSTER_KUBECONFIG", None)
-        _cluster_cmd("up", env=env)
+        _cluster_cmd("up", *(["--real-nodes", "1"] if _WANT_REAL_NODE else []), env=env)
     state = json.loads((run_dir / "state.json").read_text())
     kubeconfig = Path(state["kubeconfig"])
     api_client = config.new_client_from_config(config_file=str(kubeconfig))
@@ -259,3 +272,104 @@ def exec_in_pod(cluster: ClusterInfo) -> Callable[..., ExecResult]:
 def wait_for() -> Callable[..., object]:
     """``wait_for(check, timeout_s, "what")``: poll until ``check()`` is truthy."""
     return wait_until
+
+
+# ---- real nodes ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class RealNode:
+    """A real node of the session's cluster (``hack/cluster/realnode.py``) and its registry.
+
+    ``node_selector`` and ``tolerations`` put a pod there (the node is tainted so that kwok
+    keeps every other pod); ``push(source, image)`` copies an image (any skopeo source) to the
+    run's registry as ``sandpool.test/...``, which the node pulls from.
+    """
+
+    name: str
+    registry: str
+    run_dir: Path
+    state: dict
+
+    node_selector: dict = dataclasses.field(default_factory=lambda: {"sandpool.io/node": "real"})
+    tolerations: tuple = (
+        {"key": "sandpool.io/real-node", "operator": "Exists", "effect": "NoSchedule"},
+    )
+    runtime_class: str = "sandpool-runc"  # a RuntimeClass whose handler is runc
+
+    def push(self, source: str, image: str) -> None:
+        env = dict(os.environ, SANDPOOL_CLUSTER_RUN_DIR=str(self.run_dir))
+        _cluster_cmd("push", source, image, env=env)
+
+    def crictl(self, *args: str) -> subprocess.CompletedProcess:
+        """Run crictl against the node's containerd (the CRI the kubelet uses)."""
+        from nodebuild import node_build_dir
+
+        ep = f"unix://{self.state['real_nodes'][0]['socket']}"
+        return subprocess.run([str(node_build_dir() / "bin" / "crictl"), "--runtime-endpoint", ep,
+                               "--image-endpoint", ep, *args], capture_output=True, text=True,
+                              check=False)
+
+
+@pytest.fixture(scope="session")
+def real_node(cluster: ClusterInfo) -> RealNode:
+    """The cluster's first real node; fails (never skips) when the cluster has none, e.g. a
+    ``SANDPOOL_CLUSTER_REUSE=1`` cluster started without ``--real-nodes``."""
+    state = json.loads((cluster.run_dir / "state.json").read_text())
+    if not state.get("real_nodes"):
+        pytest.fail("the cluster has no real node: start it with `cluster.py up --real-nodes 1`")
+    return RealNode(state["real_nodes"][0]["name"], state["registry"], cluster.run_dir, state)
+
+
+@pytest.fixture(scope="session")
+def real_images(real_node: RealNode) -> dict[str, str]:
+    """The SWE-bench-shaped OCI test images (``sandpool.envs.taskpack.oci``) in the node's
+    registry: ``{"swe": "sandpool.test/swe-calc:1", "base": ..., "task": <swe-task.json path>}``."""
+    from sandpool.envs.taskpack.oci import SWE_IMAGE, build_test_images
+
+    root = build_test_images()
+    images = {"swe": SWE_IMAGE, "base": "sandpool.test/base:1"}
+    for tag, image in images.items():
+        real_node.push(f"oci:{root / 'layout'}:{tag}", image)
+    return {**images, "task": str(root / "swe-task.json")}
+
+
+_OLD_PYTHONS = ("3.6.15", "2.7.18")  # pyenv's, on the machine; the image gets them at the same path
+
+
+@pytest.fixture(scope="session")
+def old_python_image(real_node: RealNode, real_images: dict[str, str], tmp_path_factory) -> dict:
+    """``sandpool.test/oldpython:1``: the SWE-shaped test image with its own ``python3``
+    removed (whiteouts) and pyenv's Python 3.6 and 2.7 added at their host paths.
+
+    Returns ``{"image", "python36", "python27"}`` (interpreter paths inside the image).
+    Fails (never skips) when the machine lacks those pyenv versions.
+    """
+    import tarfile
+
+    from sandpool.envs.taskpack.oci import build_test_images
+
+    prefixes = [Path.home() / ".pyenv" / "versions" / v for v in _OLD_PYTHONS]
+    if missing := [str(p) for p in prefixes if not (p / "bin").is_dir()]:
+        pytest.fail(f"the old-Python image needs pyenv's {missing} on this machine")
+    work = tmp_path_factory.mktemp("oldpython")
+    lay = work / "layout"
+    subprocess.run(["skopeo", "copy", "--quiet", f"oci:{build_test_images() / 'layout'}:swe",
+                    f"oci:{lay}:old"], check=True)
+    skip = ("/test/", "/site-packages/", "/idlelib/", "/tkinter/", "/lib2to3/", "/ensurepip/")
+
+    def keep(ti: tarfile.TarInfo) -> tarfile.TarInfo | None:
+        if any(s in f"/{ti.name}/" for s in skip) or ti.name.endswith(".a"):
+            return None
+        ti.uid = ti.gid = 0
+        return ti
+
+    layer = work / "pythons.tar"
+    with tarfile.open(layer, "w") as tar:
+        for p in prefixes:
+            tar.add(p, arcname=str(p).lstrip("/"), filter=keep)
+        for name in ("usr/bin/.wh.python3", "usr/bin/.wh.python3.11"):
+            tar.addfile(tarfile.TarInfo(name))
+    subprocess.run(["umoci", "raw", "add-layer", "--image", f"{lay}:old", str(layer)], check=True)
+    image = "sandpool.test/oldpython:1"
+    real_node.push(f"oci:{lay}:old", image)
+    return {"image": image, "python36": f"{prefixes[0]}/bin/python3.6",
+            "python27": f"{prefixes[1]}/bin/python2.7"}
