@@ -328,7 +328,7 @@ class KubeHttp:
         protocols: tuple[str, ...],
         *,
         connect_timeout: float = 30.0,
-        accept: str = "application/json",
+        accept: str = "*/*",
     ) -> aiohttp.ClientWebSocketResponse:
         """Open a WebSocket to ``path`` (the exec subresource), retrying as :meth:`request` does.
 
@@ -349,7 +349,8 @@ class KubeHttp:
         Returns:
             The open WebSocket.
 
-        ``accept`` is the ``Accept`` header (kwok 0.8's kubelet answers a port-forward asking
+        ``accept`` is the ``Accept`` header: any, as kubectl's; a kubelet's CRI stream answers
+        an upgrade accepting only JSON with 406 (and kwok 0.8's answers a port-forward asking
         for JSON with 406).
 
         Raises:

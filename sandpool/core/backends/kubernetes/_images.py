@@ -42,6 +42,9 @@ class PodImages:
         node_selector: ``nodeSelector`` of the pods.
         tolerations: ``tolerations`` of the pods.
         service_port: The port the pods' service listens on (declared in the spec), or None.
+        disk_bytes: The pods' writable scratch cap (:func:`._manifests.scratch_volume`), or None.
+        entrypoint: The container command that makes the agent pid 1 (:mod:`._entrypoint`),
+            or None (``command``).
     """
 
     def __init__(
@@ -55,6 +58,8 @@ class PodImages:
         node_selector: Mapping[str, str],
         tolerations: Sequence[Mapping[str, Any]],
         service_port: int | None,
+        disk_bytes: int | None = None,
+        entrypoint: Sequence[str] | None = None,
     ) -> None:
         self.image_map = image_map
         self.container = container
@@ -64,6 +69,8 @@ class PodImages:
         self.node_selector = dict(node_selector)
         self.tolerations = [dict(t) for t in tolerations]
         self.service_port = service_port
+        self.disk_bytes = disk_bytes
+        self.entrypoint = list(entrypoint) if entrypoint else None
         self._resolved: dict[str, PodImage] = {}
         self._node_of: dict[str, str] = {}  # image -> node (placement: required affinity)
 
@@ -112,13 +119,16 @@ class PodImages:
         spec = m.pod_spec(
             pi,
             container=self.container,
-            command=self.command,
+            command=self.entrypoint or self.command,
             resources=self.resources,
             runtime_class=self.runtime_class,
             node_selector=self.node_selector,
             tolerations=self.tolerations,
             node=self._node_of.get(image) if image is not None else None,
+            disk_bytes=self.disk_bytes,
         )
+        if self.entrypoint:  # the agent: one attach, whose end closes its stdin
+            spec["containers"][0].update(stdin=True, stdinOnce=True)
         if self.service_port is not None:
             spec["containers"][0]["ports"] = [{"name": "service", "containerPort": self.service_port}]
         return spec

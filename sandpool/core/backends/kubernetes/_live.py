@@ -44,6 +44,7 @@ class LiveSandboxes:
         agent: Run sandpool's agent over one exec stream per sandbox; False: one pod exec
             per command.
         python: The interpreter command that runs the agent.
+        attach: The agent is its container's pid 1, reached over attach (:mod:`._entrypoint`).
         agent_timeout: Seconds the agent may take to say it is ready before the fallback.
         service: The service each sandbox starts before it is handed out, or None.
     """
@@ -62,8 +63,10 @@ class LiveSandboxes:
         python: str,
         agent_timeout: float,
         service: PodService | None,
+        attach: bool = False,
     ) -> None:
         self._http = http
+        self._attach = attach
         self.namespace = namespace
         self.run_id = run_id
         self.container = container
@@ -182,7 +185,8 @@ class LiveSandboxes:
                 sb._session = pre
                 sb.protocol = pre.protocol
                 return
-        session = AgentSession(self._http, sb._target, sb.id, self.python)
+        session = AgentSession(self._http, sb._target, sb.id, self.python,
+                               attach=self._attach)
         try:
             await session.start(self.agent_timeout)
         except AgentUnavailable as exc:

@@ -120,11 +120,13 @@ def pod_spec(
     node_selector: Mapping[str, str] | None,
     tolerations: Sequence[Mapping[str, Any]] | None,
     node: str | None = None,
+    disk_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The PodSpec shared by templates and plain pods: one long-sleeping container.
 
     ``node`` (from the placement plan) adds a required node affinity to that
-    ``kubernetes.io/hostname``, so the image's sandboxes run where it was prepulled."""
+    ``kubernetes.io/hostname``, so the image's sandboxes run where it was prepulled.
+    ``disk_bytes`` gives the pod :func:`scratch_volume`'s layout."""
     spec: dict[str, Any] = {
         "containers": [
             {
@@ -151,6 +153,8 @@ def pod_spec(
         spec["nodeSelector"] = dict(node_selector)
     if tolerations:
         spec["tolerations"] = [dict(t) for t in tolerations]
+    if disk_bytes:
+        scratch_volume(spec, pi, disk_bytes)
     if node:
         spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
             "nodeSelectorTerms": [{"matchExpressions": [
@@ -158,6 +162,42 @@ def pod_spec(
             ]}]
         }}}
     return spec
+
+
+#: The pod's one writable volume, and where its filler sees it.
+SCRATCH_VOLUME = "sandpool-scratch"
+_FILL_AT = "/sandpool-fill"
+
+
+def scratch_volume(spec: dict[str, Any], pi: PodImage, disk_bytes: int) -> None:
+    """Make the image's root file system read-only and give the pod one writable volume: a
+    memory-backed ``emptyDir`` (a tmpfs) of ``disk_bytes`` holding a copy of the image's
+    workdir, mounted at the workdir, and ``/tmp``. An init container of the same image copies
+    the workdir in (``cp -a``: modes, times, ``.git`` and all).
+
+    A write past ``disk_bytes`` (the repo copy included) fails with ENOSPC inside the pod,
+    as the local backend's quota does, instead of an eviction; a write anywhere else fails
+    with EROFS, so a rollout can change nothing outside the workdir and ``/tmp``. The
+    volume's pages count against the pod's memory limit.
+    """
+    c = spec["containers"][0]
+    c["securityContext"] = {**c.get("securityContext", {}), "readOnlyRootFilesystem": True}
+    c["volumeMounts"] = [
+        {"name": SCRATCH_VOLUME, "mountPath": pi.workdir, "subPath": "repo"},
+        {"name": SCRATCH_VOLUME, "mountPath": "/tmp", "subPath": "tmp"},
+    ]
+    spec["volumes"] = [
+        {"name": SCRATCH_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(disk_bytes)}}
+    ]
+    fill = (f'mkdir -p {_FILL_AT}/repo && cp -a "$0/." {_FILL_AT}/repo/ '
+            f"&& mkdir -m 1777 {_FILL_AT}/tmp")
+    spec["initContainers"] = [{
+        "name": "sandpool-fill",
+        "image": pi.image,
+        "command": ["/bin/sh", "-c", fill, pi.workdir],
+        "resources": dict(c["resources"]),
+        "volumeMounts": [{"name": SCRATCH_VOLUME, "mountPath": _FILL_AT}],
+    }]
 
 
 def _pod_meta(run_id: str, image: str, pi: PodImage) -> dict[str, Any]:

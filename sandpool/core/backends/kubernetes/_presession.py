@@ -54,6 +54,7 @@ class Presessions:
         warm_pool_image: The image whose warm pool made a pod, or None for any other pod.
         limit: Sessions open (or opening) at once.
         python: The interpreter command that runs the agent.
+        attach: The agent is its container's pid 1, reached over attach (:mod:`._entrypoint`).
         timeout: Seconds the agent may take to say it is ready.
     """
 
@@ -70,8 +71,10 @@ class Presessions:
         limit: int,
         python: str,
         timeout: float,
+        attach: bool = False,
     ) -> None:
         self._http = http
+        self._attach = attach
         self.namespace = namespace
         self.run_id = run_id
         self.container = container
@@ -131,7 +134,8 @@ class Presessions:
             self._open(target, image), name=f"sandpool-presession-{name}"))
 
     async def _open(self, target: ExecTarget, image: str) -> AgentSession | None:
-        session = AgentSession(self._http, target, target.sandbox_id, self.python)
+        session = AgentSession(self._http, target, target.sandbox_id, self.python,
+                               attach=self._attach)
         try:
             await session.start(self.timeout)
         except AgentUnavailable as exc:  # the claim falls back (and says why) itself

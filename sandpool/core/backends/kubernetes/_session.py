@@ -57,6 +57,7 @@ import aiohttp
 
 from sandpool.core import errors
 from sandpool.core.agent.client import AgentClient, agent_source
+from sandpool.core.backends.kubernetes._entrypoint import boot_payload
 from sandpool.core.backends.kubernetes._errors import Channel, translate
 from sandpool.core.backends.kubernetes._exec import PROTOCOLS, ExecTarget, parse_status, unreached
 
@@ -90,7 +91,8 @@ class AgentSession:
         stderr_tail: The last bytes the agent wrote to stderr.
     """
 
-    def __init__(self, http: KubeHttp, target: ExecTarget, sandbox_id: str, python: str) -> None:
+    def __init__(self, http: KubeHttp, target: ExecTarget, sandbox_id: str, python: str,
+                 attach: bool = False) -> None:
         self._http = http
         self._target = target
         self.client: AgentClient = AgentClient(sandbox_id, self._send)
@@ -101,7 +103,9 @@ class AgentSession:
         #: The status message when the API server could not reach the node (never started).
         self.unreached: str | None = None
         self._sandbox_id = sandbox_id
-        self._argv = [python, "-I", "-u", "-c", agent_source()]
+        # attach: the agent is the container's pid 1 (._entrypoint), reached on its stdio.
+        self._attach = attach
+        self._argv = [] if attach else [python, "-I", "-u", "-c", agent_source()]
         self._ws: aiohttp.ClientWebSocketResponse | None = None
         self._reader: asyncio.Task[None] | None = None
         self._send_lock = asyncio.Lock()
@@ -133,13 +137,15 @@ class AgentSession:
         query = [("container", self._target.container), ("stdin", "true"),
                  ("stdout", "true"), ("stderr", "true")]
         query += [("command", a) for a in self._argv]
-        path = f"/api/v1/namespaces/{self._target.namespace}/pods/{self._target.pod}/exec"
+        sub = "attach" if self._attach else "exec"
+        path = f"/api/v1/namespaces/{self._target.namespace}/pods/{self._target.pod}/{sub}"
         for attempt in itertools.count(1):
             self._ws = await self._http.ws_connect(path, query, PROTOCOLS)
             self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-{self._what}")
             try:
-                await self.client.ready(timeout)
-                return
+                if self._attach:
+                    await self._send(boot_payload())
+                hello = await self.client.ready(timeout)
             except (TimeoutError, errors.SandpoolError) as exc:
                 await self.aclose()
                 if self.unreached is not None:
@@ -161,6 +167,10 @@ class AgentSession:
                 why = "no ready line within {:.0f} s".format(timeout) if isinstance(
                     exc, TimeoutError) else str(exc)
                 raise AgentUnavailable(f"{why}{': ' + tail if tail else ''}") from None
+            if hello.get("ready") is not True:  # the entrypoint found no usable interpreter
+                await self.aclose()
+                raise AgentUnavailable(str(hello.get("error") or hello))
+            return
 
     def _reset(self) -> None:
         """Forget a stream that never reached the agent, before opening the next one."""

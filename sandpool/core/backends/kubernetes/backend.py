@@ -31,6 +31,7 @@ from typing import Any
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes import _manifests as m
 from sandpool.core.backends.kubernetes._claims import Claims
+from sandpool.core.backends.kubernetes._entrypoint import entrypoint
 from sandpool.core.backends.kubernetes._gc import Deleter, gc
 from sandpool.core.backends.kubernetes._http import KubeHttp, Throttle
 from sandpool.core.backends.kubernetes._images import ImageMap, PodImages
@@ -111,6 +112,15 @@ class KubernetesBackend(Backend):
         service: A long-lived process each pod starts (through its agent session) before
             its sandbox is handed out, spared by the in-place reset; its port is declared in
             the pod spec and reached with :meth:`KubernetesSandbox.open_port` (:mod:`._service`).
+        disk_bytes: Cap in bytes on what a sandbox can write: its workdir (a copy of the
+            image's, counted) and ``/tmp`` live on a memory-backed volume of that size, and
+            the rest of the root file system is read-only
+            (:func:`._manifests.scratch_volume`); a write past it fails with ENOSPC inside
+            the pod. None: the image's root file system stays writable, with no cap.
+        agent_entrypoint: Make the agent its container's pid 1 (the container's command,
+            reached over ``pods/attach``; :mod:`._entrypoint`), so no command of the policy
+            can signal it. Use it on any cluster whose nodes run containers; off, the agent
+            is exec'd into a container that sleeps (a kwok node runs no container command).
     """
 
     name = "kubernetes"
@@ -144,11 +154,16 @@ class KubernetesBackend(Backend):
         delete_batch_s: float | None = None,
         api_retries: int = 6,
         service: PodService | None = None,
+        disk_bytes: int | None = None,
+        agent_entrypoint: bool = False,
     ) -> None:
         if mode not in _MODES:
             raise errors.ConfigError(f"mode={mode!r} is not known; use one of {list(_MODES)}")
         if api_retries < 0:
             raise errors.ConfigError(f"api_retries={api_retries} must be 0 or more")
+        if disk_bytes is not None and disk_bytes <= 0:
+            raise errors.ConfigError(f"disk_bytes={disk_bytes} must be positive (or None)")
+        attach = agent and agent_entrypoint
         self.kubeconfig = str(Path(kubeconfig).expanduser()) if kubeconfig else None
         self.namespace = ns = namespace
         self.mode = mode
@@ -161,6 +176,7 @@ class KubernetesBackend(Backend):
             resources=resources or _DEFAULT_RESOURCES, runtime_class=runtime_class,
             node_selector=node_selector or {}, tolerations=tolerations or [],
             service_port=service.port if service is not None else None,
+            disk_bytes=disk_bytes, entrypoint=entrypoint(agent_python) if attach else None,
         )
         sel = f"{m.RUN_ID_LABEL}={run}"
         pod_watch = Informer(http, ns_path(ns, "pods"), sel)
@@ -178,10 +194,10 @@ class KubernetesBackend(Backend):
         if self._claims is not None and agent and presessions > 0:
             self._presessions = Presessions(
                 http, ns, run, container, images, pod_watch, self._claims.warm_pool_image,
-                limit=presessions, python=agent_python, timeout=agent_timeout)
+                limit=presessions, python=agent_python, timeout=agent_timeout, attach=attach)
         self._live = LiveSandboxes(
             http, ns, run, container, images, pod_watch, self._presessions, agent=agent,
-            python=agent_python, agent_timeout=agent_timeout, service=service)
+            python=agent_python, agent_timeout=agent_timeout, service=service, attach=attach)
         self._pods = Pods(http, ns, run, images, pod_watch, ready_timeout)
         self._placement = Placement(http, ns, run, images, pod_watch)
         self._preflight = Preflight(
