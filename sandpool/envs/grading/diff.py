@@ -101,6 +101,9 @@ def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: l
             f"tail -c 2000 {d}/apply.log; GIT_INDEX_FILE={d}/base.index {SAFE_GIT} read-tree {base} && "
             f"GIT_INDEX_FILE={d}/base.index {SAFE_GIT} apply --check --cached {d}/test.patch "
             f">/dev/null 2>&1 && echo 'applies to base' ; exit {_TEST_PATCH_FAILED}; }}")
+    # What each test module and conftest.py holds before any of the repo's code runs.
+    lines.append(f"find . -path ./.git -prune -o -type f \\( -name 'test_*.py' -o -name '*_test.py' "
+                 f"-o -name conftest.py \\) -print0 | xargs -0 -r sha256sum -- > {d}/tests.sha256")
     lines += [
         _FIND_PYTHON,
         f'[ -n "$PY" ] || {{ echo "no python3 or python on PATH=$PATH"; exit {_NO_PYTHON}; }}',
@@ -182,6 +185,7 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
         args, cwd_on_path, assigned = argv
         job = {"workdir": task.workdir, "args": args, "cwd_on_path": cwd_on_path, "key": f"{d}/key",
                "report": f"{d}/report.jsonl", "plugin": module, "env_file": f"{d}/env.all",
+               "hashes": f"{d}/tests.sha256",
                "assigned": assigned}
         await sandbox.write_file(f"{d}/runner.py", (_SIDE / "runner.py").read_bytes(), mode=0o444)
         await sandbox.write_file(f"{d}/job.json", json.dumps(job).encode(), mode=0o444)

@@ -31,14 +31,18 @@ imported by the image's Python), which is the image's fault, not the patch's. Ot
 exit status is pytest's.
 
 The job (JSON): ``workdir``, ``args`` (pytest's arguments), ``cwd_on_path`` (bool), ``key``
-(the key file), ``report`` (the report file), ``plugin`` (the verdict plugin's module name,
+(the key file), ``report`` (the report file), ``hashes`` (``sha256sum`` lines of every test
+module and ``conftest.py``, taken before the run), ``plugin`` (the verdict plugin's module name,
 in this directory), ``env_file`` (the harness's environment, NUL-separated: its ``PYTHON*``
 variables are restored in ``os.environ`` for the tests' own child processes, and its
 ``PYTHONPATH`` is added to ``sys.path`` as said above), ``assigned`` (``VAR=value`` words
 before the harness's pytest command, treated the same way).
 """
 
+import ast
+import hashlib
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -77,6 +81,49 @@ def harness_python_env(job):
     return out
 
 
+TEST_NAMES = ("conftest.py",)
+
+
+def is_test_file(name):
+    return name in TEST_NAMES or (name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")))
+
+
+def verify_test_sources(rewrite, plugin, job, workdir):
+    """Compile each test module and conftest.py from bytes checked against their hashes,
+    taken before any of the repo's code ran: code under test that rewrites a later test
+    module on disk is found, and pytest compiles what was checked, not a second read."""
+    hashes = {}
+    try:
+        with open(job["hashes"]) as f:
+            for line in f:
+                digest, _, rel = line.rstrip("\n").partition("  ")
+                hashes[os.path.realpath(os.path.join(workdir, rel))] = digest
+    except (KeyError, OSError):
+        return
+    original = rewrite._rewrite_test
+    params = list(inspect.signature(original).parameters)
+    own = params == ["fn", "config"] and len(inspect.signature(rewrite.rewrite_asserts).parameters) >= 4
+
+    def _rewrite_test(fn, config):
+        path = str(fn)
+        with open(path, "rb") as f:
+            data = f.read()
+        real = os.path.realpath(path)
+        want = hashes.get(real)
+        if want is not None and hashlib.sha256(data).hexdigest() != want:
+            plugin.tampered("test module %s changed on disk during the run" % path)
+        elif want is None and in_repo(real, workdir) and is_test_file(os.path.basename(real)):
+            plugin.tampered("test module %s appeared during the run" % path)
+        if not own:
+            return original(fn, config)
+        stat = os.stat(path)
+        tree = ast.parse(data, filename=path)
+        rewrite.rewrite_asserts(tree, data, path, config)
+        return stat, compile(tree, path, "exec", dont_inherit=True)
+
+    rewrite._rewrite_test = _rewrite_test
+
+
 def main(argv):
     here = os.path.dirname(os.path.abspath(__file__))
     with open(argv[1]) as f:
@@ -108,6 +155,7 @@ def main(argv):
     # planted one would replace a test module. Always rewrite from the source instead.
     if hasattr(rewrite, "_read_pyc"):
         rewrite._read_pyc = lambda *args, **kwargs: None
+    verify_test_sources(rewrite, plugin, job, workdir)
     plugin.snapshot()
     sys.stdout.write("%s python %s pytest %s\n" % (STARTED, sys.version.split()[0], pytest.__version__))
     sys.stdout.flush()
