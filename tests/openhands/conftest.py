@@ -8,9 +8,13 @@ skipped. No test calls a real LLM: conversations are scripted with OpenHands' ow
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
+import tempfile
 
 import pytest
 
@@ -34,6 +38,25 @@ def tool_call(name: str, **arguments: object) -> "Message":
 def say(text: str) -> "Message":
     """An assistant message without tool calls: OpenHands ends the turn on it."""
     return Message(role="assistant", content=[TextContent(text=text)])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_terminal_left_on_the_host():
+    """A tmux server started on the host during the session (OpenHands' own terminal makes one
+    per executor) keeps its socket in a directory of this session: at the end none may be
+    running. Any found is killed, so nothing outlives the run, and the session fails."""
+    tmux_dir = tempfile.mkdtemp(prefix="oh-tmux-")  # short: a socket path fits in 107 bytes
+    before = os.environ.get("TMUX_TMPDIR")
+    os.environ["TMUX_TMPDIR"] = tmux_dir
+    yield
+    if before is None:
+        del os.environ["TMUX_TMPDIR"]
+    else:
+        os.environ["TMUX_TMPDIR"] = before
+    left = [sock for sock in glob.glob(f"{tmux_dir}/tmux-*/*")
+            if subprocess.run(["tmux", "-S", sock, "kill-server"], capture_output=True).returncode == 0]
+    shutil.rmtree(tmux_dir, ignore_errors=True)
+    assert not left, f"tmux servers (host shells) were left running on the host: {left}"
 
 
 @pytest.fixture

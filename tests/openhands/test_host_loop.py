@@ -8,16 +8,27 @@ import os
 import subprocess
 import tempfile
 
-from openhands.sdk.event import ObservationEvent
+import pytest
+from openhands.sdk.event import AgentErrorEvent, ObservationEvent
 from openhands.sdk.testing import TestLLM
+from openhands.sdk.tool import Tool, ToolExecutor
 from openhands.tools.file_editor import FileEditorTool
 from openhands.tools.terminal import TerminalTool
 
+from sandpool.core import errors
 from sandpool.core.metrics import Outcome
 from sandpool.core.rollout import run_rollout
 from sandpool.core.task import Task
 from sandpool.integrations.openhands import SandboxLink, openhands_episode, run_conversation
 from tests.openhands.conftest import say, tool_call
+
+
+class NeverRuns(ToolExecutor):
+    """The executor of a reference tool built only to read its definition: unlike OpenHands'
+    own ``TerminalExecutor`` it starts no shell on the host, and it is never called."""
+
+    def __call__(self, action, conversation=None):  # type: ignore[no-untyped-def]
+        raise AssertionError("a reference tool ran")
 
 
 class RecordingLLM(TestLLM):
@@ -67,7 +78,8 @@ async def test_llm_sees_openhands_own_tool_names_and_schemas(pool, calc_task):
         conv = Conversation(agent=Agent(llm=TestLLM.from_messages([])), workspace=d, visualizer=None)
         try:
             own = {t.name: t.to_openai_tool()["function"]
-                   for t in [*TerminalTool.create(conv.state), *FileEditorTool.create(conv.state)]}
+                   for t in [*TerminalTool.create(conv.state, executor=NeverRuns()),
+                             *FileEditorTool.create(conv.state)]}
         finally:
             conv.close()
     for name in ("terminal", "file_editor"):
@@ -110,6 +122,49 @@ async def test_tools_act_in_the_sandbox_and_host_cwd_is_scratch(pool, calc_task)
     assert before == after  # undo restored the buggy line
     assert res.host_workdir.startswith(tempfile.gettempdir()) and res.host_workdir != lease.workdir
     assert not os.path.exists(res.host_workdir)  # the scratch directory is removed after
+
+
+async def test_no_policy_command_reaches_a_host_shell(pool, calc_task, tmp_path):
+    marker = tmp_path / "reached-the-host"  # a host path: the sandbox's /tmp is its own
+    cmd = f"touch {marker} 2>/dev/null || echo not-on-the-host"
+    # OpenHands maps legacy and unknown tool names onto the terminal it was given: ours.
+    names = ["execute_bash", "bash", "host_shell", "terminal"]
+    script = [*(tool_call(name, command=cmd) for name in names), say("done")]
+    seen: list = []
+    async with pool.claim(calc_task) as lease:
+        res = await run_conversation(lease, TestLLM.from_messages(script), callbacks=[seen.append])
+    assert res.status == "finished" and not marker.exists()
+    ran = [e.observation.text for e in seen if isinstance(e, ObservationEvent)]
+    refused = [e.error for e in seen if isinstance(e, AgentErrorEvent)]
+    assert len(ran) + len(refused) == len(names) and ran, (ran, refused)
+    assert all("not-on-the-host" in text for text in ran), ran
+    # OpenHands' host terminal would have started a shell in the conversation's scratch dir.
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert res.host_workdir not in ps
+
+
+@pytest.mark.parametrize("kwargs", [{"tools": [Tool(name="terminal")]},
+                                    {"mcp_config": {"mcpServers": {"fetch": {"command": "uvx"}}}}])
+async def test_agent_kwargs_that_would_add_host_tools_are_refused(pool, calc_task, kwargs):
+    async with pool.claim(calc_task) as lease:
+        with pytest.raises(errors.ConfigError, match=next(iter(kwargs))):
+            await run_conversation(lease, TestLLM.from_messages([say("done")]), agent_kwargs=kwargs)
+
+
+def test_an_agent_with_openhands_own_host_tool_is_refused_before_it_runs(tmp_path):
+    from openhands.sdk import Agent, Conversation
+
+    from sandpool.integrations.openhands.conversation import _sandbox_tools_only
+
+    # OpenHands' own file editor edits host files (its terminal would be a host shell).
+    agent = Agent(llm=TestLLM.from_messages([]), tools=[Tool(name=FileEditorTool.name)])
+    conv = Conversation(agent=agent, workspace=str(tmp_path), visualizer=None)
+    try:
+        conv.send_message("hi")  # makes the agent's tools
+        with pytest.raises(errors.ConfigError, match="'file_editor'.*act on the host"):
+            _sandbox_tools_only(conv.agent)
+    finally:
+        conv.close()
 
 
 async def test_sandbox_killed_mid_conversation_is_infra_not_reward_zero(pool, local_backend, calc_task):

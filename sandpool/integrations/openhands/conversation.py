@@ -28,7 +28,12 @@ from sandpool.core import errors
 from sandpool.core.pool import Lease
 from sandpool.core.rollout import Episode
 from sandpool.envs.grading import GradeResult, grade
-from sandpool.integrations.openhands.tools import SandboxLink, sandbox_tool_specs
+from sandpool.integrations.openhands.tools import (
+    SandboxFileEditorExecutor,
+    SandboxLink,
+    SandboxTerminalExecutor,
+    sandbox_tool_specs,
+)
 
 __all__ = ["ConversationResult", "openhands_episode", "run_conversation",
            "task_instruction"]
@@ -82,13 +87,17 @@ async def run_conversation(
         max_iterations: OpenHands' ``max_iteration_per_run``.
         command_timeout: Seconds a terminal command may run when the LLM sets no timeout.
         max_command_timeout: Seconds a terminal command may run whatever timeout the LLM sets.
-        agent_kwargs: Extra ``Agent`` fields (condenser, system prompt, ...).
+        agent_kwargs: Extra ``Agent`` fields (condenser, system prompt, ...); none that adds
+            tools (``tools``, ``mcp_config``): every tool the LLM can call acts in the sandbox.
         callbacks: Extra conversation callbacks, called on OpenHands' thread with each event.
 
     Returns:
         The :class:`ConversationResult`.
 
     Raises:
+        ConfigError: ``agent_kwargs`` would give the LLM a tool that acts on the host (its
+            ``tools`` or ``mcp_config``, or any tool but the sandbox's terminal and file editor
+            and the SDK's built-ins such as finish and think); nothing ran.
         InfraError: The sandbox failed during the conversation (it died, its channel broke).
         ContextWindowExceeded: The LLM refused the prompt as longer than its context window
             (OpenHands' ``LLMContextWindowExceedError``, with no condenser to shorten it): the
@@ -97,6 +106,10 @@ async def run_conversation(
             OpenHands' ``ConversationRunError``); :func:`sandpool.core.classify.classify` makes
             it an infra failure, never a reward.
     """
+    if host_tools := sorted({"tools", "mcp_config"} & set(agent_kwargs or {})):
+        raise errors.ConfigError(f"run_conversation(agent_kwargs=...): {', '.join(host_tools)} would "
+                                 "give the LLM tools that act on the host; the sandbox's terminal and "
+                                 "file editor are its tools, so leave them out")
     link = SandboxLink(lease)
     scratch = tempfile.mkdtemp(prefix="sandpool-openhands-")
     agent = Agent(llm=llm, tools=sandbox_tool_specs(link, default_timeout=command_timeout,
@@ -118,7 +131,8 @@ async def run_conversation(
                             stuck_detection=True)
         holder["conversation"] = conv
         try:
-            conv.send_message(instruction or task_instruction(lease))
+            conv.send_message(instruction or task_instruction(lease))  # the agent's tools are made
+            _sandbox_tools_only(conv.agent)
             conv.run()
             return str(conv.state.execution_status.value)
         finally:
@@ -141,6 +155,26 @@ async def run_conversation(
         raise lease.broken
     tool_calls = sum(isinstance(e, ObservationEvent) for e in events)
     return ConversationResult(status=status, events=events, tool_calls=tool_calls, host_workdir=scratch)
+
+
+def _sandbox_tools_only(agent: Agent) -> None:
+    """Refuse an agent with a tool that acts on the host: each tool the LLM can call must run in
+    the sandbox (the terminal and file editor here) or be one of the SDK's built-ins, which
+    "do not interact with the environment" (finish, think; openhands-sdk's
+    ``BUILT_IN_TOOL_CLASSES``). OpenHands' own terminal would be a shell on the host, as the
+    user running the trainer (often root).
+
+    Raises:
+        ConfigError: Such a tool; the conversation has not started.
+    """
+    from openhands.sdk.tool.builtins import BUILT_IN_TOOL_CLASSES
+
+    for name, tool in agent.tools_map.items():
+        if not (isinstance(tool.executor, (SandboxTerminalExecutor, SandboxFileEditorExecutor))
+                or type(tool) in BUILT_IN_TOOL_CLASSES.values()):
+            raise errors.ConfigError(
+                f"OpenHands tool {name!r} ({type(tool).__name__}) would act on the host, not in the "
+                "sandbox; run_conversation offers only the sandbox's terminal and file editor")
 
 
 def _context_exceeded(exc: BaseException) -> bool:
