@@ -33,8 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hack" / "cluster")
 from cluster_faults import restart  # noqa: E402  (the cluster's own fault injection)
 
 from sandpool.core import PoolLimits, SandboxPool, Task, run_rollout
-from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
+from sandpool.core.backends.kubernetes import KubernetesBackend
 from sandpool.core.metrics import Outcome, Workload
+from tests.cluster.kwok_images import workdir_image
 
 K8S_FAULTS = ("k8s_none", "pod_deleted", "node_deleted", "apiserver_restart", "apf_429", "controller_restart")
 _GROUP = "extensions.agents.x-k8s.io"
@@ -67,7 +68,7 @@ async def run_k8s_fault(fault: str, kubeconfig: Path, run_dir: Path, work: Path,
     run_id = uuid.uuid4().hex[:8]
     namespace = "default"
     backend = KubernetesBackend(kubeconfig, namespace=namespace, run_id=run_id,
-                                image_map=lambda n: PodImage(n, workdir_source=str(work / "repo")))
+                                image_map=lambda n: workdir_image(n, work / "repo"))
     tasks = [Task(instance_id=f"img{i}-r{j}", repo="bench/repo", base_commit=head,
                   image=f"sandpool.bench/faults-{i}:{run_id}", problem_statement="p")
              for i in range(images) for j in range(rollouts)]

@@ -45,12 +45,14 @@ from collections import Counter, deque
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "hack" / "cluster"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from imagemodel import image_size  # noqa: E402  (the cluster's own image model)
 
 from sandpool.core import PoolLimits, SandboxPool, Task, run_rollout  # noqa: E402
-from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage  # noqa: E402
+from sandpool.core.backends.kubernetes import KubernetesBackend  # noqa: E402
 from sandpool.core.metrics import TTFCStats  # noqa: E402
+from tests.cluster.kwok_images import workdir_image  # noqa: E402
 
 SHAPES = {"seed": (4578, 4), "small": (20, 4)}
 _METRIC = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$")
@@ -208,7 +210,7 @@ async def run_mode(name: str, args, kubeconfig: Path, source: Path, commit: str,
         return KubernetesBackend(
             kubeconfig, namespace=namespace, mode="pods" if name == "pods" else "agent-sandbox",
             qps=args.qps, burst=args.burst, ready_timeout=args.ready_timeout,
-            image_map=lambda n: PodImage(n, workdir_source=str(source)),
+            image_map=lambda n: workdir_image(n, source),
             agent=name != "pods" or args.baseline_agent,
             sandbox_objects=name == "reuse", delete_batch_s=0.5 if placed else None,
             controller_version=args.controller_version,

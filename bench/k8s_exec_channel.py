@@ -30,7 +30,8 @@ from pathlib import Path
 
 from k8s_burst import default_kubeconfig, make_repo, scrape
 
-from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
+from sandpool.core.backends.kubernetes import KubernetesBackend
+from tests.cluster.kwok_images import workdir_image
 
 
 async def run_channel(channel: str, args, kubeconfig: Path, source: Path, admin) -> dict:
@@ -42,7 +43,7 @@ async def run_channel(channel: str, args, kubeconfig: Path, source: Path, admin)
         kubeconfig,
         namespace=namespace,
         mode="pods",
-        image_map=lambda n: PodImage(n, workdir_source=str(source)),
+        image_map=lambda n: workdir_image(n, source),
         agent=channel == "agent",
     )
     try:

@@ -102,7 +102,7 @@ async def kubernetes(args: argparse.Namespace, root: Path, task: Task, env: Path
     from sandpool.core.backends.kubernetes import KubernetesBackend
     from sandpool.core.backends.kubernetes._service import start_service
     from sandpool.integrations.openhands.pod_server import agent_server_pod_service
-    from tests.cluster.local_pack import local_pack_image_map
+    from tests.cluster.kwok_images import local_pack_image_map
 
     spec = agent_server_pod_service(env)
     opts = {"namespace": args.namespace, "image_map": local_pack_image_map(root),

@@ -171,7 +171,7 @@ def test_exec_argv_carries_the_markers_the_output_cap_and_the_environment():
 
 
 def test_manifests_carry_the_run_id_everywhere():
-    pi = m.PodImage("example.invalid/x:1", workdir_source="/src")
+    pi = m.PodImage("example.invalid/x:1", annotations={"example.invalid/a": "b"})
     spec = m.pod_spec(
         pi,
         container="sandbox",
@@ -184,7 +184,7 @@ def test_manifests_carry_the_run_id_everywhere():
     tpl = m.template("t", "run1", "img", pi, spec)
     assert tpl["metadata"]["labels"][m.RUN_ID_LABEL] == "run1"
     assert tpl["spec"]["podTemplate"]["metadata"]["labels"][m.RUN_ID_LABEL] == "run1"
-    assert tpl["spec"]["podTemplate"]["metadata"]["annotations"] == {m.WORKDIR_SOURCE: "/src"}
+    assert tpl["spec"]["podTemplate"]["metadata"]["annotations"] == {"example.invalid/a": "b"}
     assert tpl["spec"]["podTemplate"]["spec"]["runtimeClassName"] == "gvisor"
     # No kernel keyring in a pod: the runtime's default seccomp profile denies the calls.
     assert tpl["spec"]["podTemplate"]["spec"]["securityContext"] == {

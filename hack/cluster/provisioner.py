@@ -24,10 +24,9 @@ node:
 When a pod is deleted, its directories are removed (the Exec goes with the pod through
 its owner reference). Standard library only.
 
-Why one file of ~490 lines: it runs as one stdlib process started by ``cluster.py up``
-(no package to import from, before any venv exists); :class:`Provisioner` is one watch loop
-whose provisioning, port bridges and pod cleanup share its per-pod state. The port-forward
-bridge is the seam to move out next.
+One file: it runs as one stdlib process started by ``cluster.py up`` (before any venv
+exists); :class:`Provisioner` is one watch loop whose provisioning, port bridges and pod
+cleanup share its per-pod state.
 """
 
 from __future__ import annotations
@@ -316,17 +315,25 @@ class Provisioner:
             LOG.warning("could not record cached images on node %s: %s", node, e)
 
     def _fail(self, kube: Kube, pod: dict[str, Any], reason: str) -> None:
+        """Report that the pod cannot start as a kubelet does: its containers wait with
+        ``CreateContainerError`` and ``reason`` (the pod is never provisioned, so never starts)."""
         meta = pod["metadata"]
         LOG.error("pod %s/%s: %s", meta["namespace"], meta["name"], reason)
+        waiting = [
+            {"name": c["name"], "image": c["image"], "imageID": "", "ready": False,
+             "restartCount": 0, "started": False,
+             "state": {"waiting": {"reason": "CreateContainerError", "message": reason}}}
+            for c in pod["spec"]["containers"]
+        ]
         try:
             kube.request(
                 "PATCH",
-                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
-                {"metadata": {"annotations": {ANN + "provision-error": reason}}},
+                f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}/status",
+                {"status": {"containerStatuses": waiting}},
                 content_type="application/merge-patch+json",
             )
         except (ApiError, OSError) as e:
-            LOG.warning("could not annotate the failure: %s", e)
+            LOG.warning("could not record the failure: %s", e)
 
     def cleanup(self, ns: str, name: str, uid: str | None) -> None:
         if self.model is not None and uid is not None:

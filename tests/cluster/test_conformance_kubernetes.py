@@ -9,8 +9,9 @@ import uuid
 
 import pytest
 
-from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
+from sandpool.core.backends.kubernetes import KubernetesBackend
 from sandpool.core.conformance import CHECKS, check_backend
+from tests.cluster.kwok_images import workdir_image
 
 pytestmark = pytest.mark.cluster
 
@@ -36,7 +37,7 @@ async def test_the_kubernetes_backend_on_kwok_runs_the_conformance_suite(
     subprocess.run([*git, "commit", "-qm", "one"], check=True, env=env)
     head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
     backend = KubernetesBackend(cluster.kubeconfig, namespace=namespace, run_id=uuid.uuid4().hex[:8],
-                                image_map=lambda name: PodImage(image=name, workdir_source=str(repo)),
+                                image_map=lambda name: workdir_image(name, repo),
                                 agent=channel == "agent")
 
     def delete_pod(sb) -> None:  # as an eviction or a node losing the pod would

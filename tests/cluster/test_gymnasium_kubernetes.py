@@ -11,7 +11,7 @@ import pytest
 
 from sandpool.core import Task
 from sandpool.integrations.gymnasium import ENV_ID
-from tests.cluster.local_pack import local_pack_image_map
+from tests.cluster.kwok_images import local_pack_image_map
 
 pytestmark = pytest.mark.cluster
 

@@ -16,9 +16,10 @@ from kubernetes import client as k8s
 from prometheus_client import CollectorRegistry
 
 from sandpool.core import Outcome, PoolLimits, SandboxPool, Task, errors, run_rollout
-from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage, gc
+from sandpool.core.backends.kubernetes import KubernetesBackend, gc
 from sandpool.core.backends.kubernetes import _manifests as manifests
 from sandpool.core.telemetry import PoolMetrics
+from tests.cluster.kwok_images import workdir_image
 
 pytestmark = pytest.mark.cluster
 
@@ -58,7 +59,7 @@ def repo(tmp_path_factory) -> tuple[Path, str, str]:
 
 
 def image_map(repo_path: Path):
-    return lambda name: PodImage(image=name, workdir_source=str(repo_path))
+    return lambda name: workdir_image(name, repo_path)
 
 
 def make_task(image: str, commit: str, i: int = 0) -> Task:
@@ -379,7 +380,7 @@ async def test_start_failures_surface_early(cluster, namespace, repo, tmp_path):
         namespace=namespace,
         mode="pods",
         ready_timeout=20,
-        image_map=lambda n: PodImage(n, workdir_source=str(src)),
+        image_map=lambda n: workdir_image(n, src),
     )
     try:
         await be.preflight()
@@ -390,7 +391,7 @@ async def test_start_failures_surface_early(cluster, namespace, repo, tmp_path):
         with pytest.raises((errors.SandboxStartError, errors.InfraTimeout)) as info:
             await be.create("sandpool.test/calc:1")
         if isinstance(info.value, errors.SandboxStartError):
-            assert "provisioning failed" in str(info.value)
+            assert "CreateContainerError" in str(info.value) and "workdir-source" in str(info.value)
     finally:
         await be.aclose()
     be = backend(
@@ -466,7 +467,7 @@ async def test_invalid_image_is_rejected_before_anything_is_created(cluster, nam
     be = KubernetesBackend(
         cluster.kubeconfig,
         namespace=namespace,
-        image_map={"bad": PodImage("Not A Valid/Image::ref", workdir_source=str(path))},
+        image_map={"bad": workdir_image("Not A Valid/Image::ref", path)},
     )
     try:
         with pytest.raises(errors.ImageNotFound, match="not a valid container image reference"):

@@ -23,8 +23,9 @@ from kubernetes import client as k8s
 from prometheus_client import CollectorRegistry
 
 from sandpool.core import Outcome, SandboxPool, run_rollout
-from sandpool.core.backends.kubernetes import KubernetesBackend, PodImage
+from sandpool.core.backends.kubernetes import KubernetesBackend
 from sandpool.core.telemetry import PoolMetrics
+from tests.cluster.kwok_images import workdir_image
 from tests.cluster.test_kubernetes_backend import backend, eventually, make_task, repo  # noqa: F401
 
 pytestmark = pytest.mark.cluster
@@ -228,7 +229,7 @@ async def test_a_user_throttled_by_api_priority_and_fairness_gets_429s_retried_a
     kubeconfig, cleanup = _throttled_user(cluster, namespace, tmp_path / "throttled.kubeconfig")
     metrics = PoolMetrics(CollectorRegistry())
     be = KubernetesBackend(kubeconfig, namespace=namespace, mode="pods", agent=False,
-                           image_map=lambda name: PodImage(image=name, workdir_source=str(path)))
+                           image_map=lambda name: workdir_image(name, path))
 
     async def episode(lease) -> float:
         before = be.api_stats["retried"]

@@ -32,7 +32,7 @@ from sandpool.core.task import Task
 from sandpool.integrations.openhands.pod_server import agent_server_pod_service
 from sandpool.integrations.openhands.server import agent_server_env
 from sandpool.integrations.openhands.workspace import SandpoolWorkspace
-from tests.cluster.local_pack import local_pack_image_map
+from tests.cluster.kwok_images import local_pack_image_map
 from tests.cluster.conftest import RUN_ID, RUN_ID_LABEL, cluster, wait_until  # noqa: F401
 from tests.openhands.test_agent_server import SERVER_MODULES, gold_steps, run_episode
 from tests import waiting

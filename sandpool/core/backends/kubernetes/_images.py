@@ -1,16 +1,15 @@
 """What each task image becomes in a pod: its :class:`~._manifests.PodImage` and its PodSpec.
 
 :class:`PodImages` resolves a task's ``image`` through the backend's image map once,
-validates it (a container image reference, an existing ``workdir_source``), and builds the
-one PodSpec every object of the image carries (template, Sandbox object, plain pod),
-including the node the placement plan pinned the image to.
+validates it (a container image reference), and builds the one PodSpec every object of the
+image carries (template, Sandbox object, plain pod), including the node the placement plan
+pinned the image to.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from sandpool.core import errors
@@ -81,8 +80,8 @@ class PodImages:
         """Resolve task image ``image`` through the image map and validate it.
 
         Raises:
-            ImageNotFound: Not in the map, an invalid image reference, or a missing
-                ``workdir_source`` directory.
+            ImageNotFound: Not in the map (or the map raised it), or an invalid image
+                reference.
         """
         if image in self._resolved:
             return self._resolved[image]
@@ -101,11 +100,6 @@ class PodImages:
             raise errors.ImageNotFound(
                 f"image {image!r} maps to {pi.image!r}, which is not a valid container image "
                 "reference ([registry/]path[:tag][@sha256:digest], lower-case path)"
-            )
-        if pi.workdir_source is not None and not Path(pi.workdir_source).is_dir():
-            raise errors.ImageNotFound(
-                f"image {image!r}: workdir_source {pi.workdir_source} is not a directory; build the "
-                "image first (sandpool build-pack) or fix the image_map"
             )
         self._resolved[image] = pi
         return pi

@@ -46,8 +46,6 @@ TEMPLATE, WARMPOOL, CLAIM, SANDBOX = (
 RUN_ID_LABEL = "sandpool.io/run-id"
 IMAGE_LABEL = "sandpool.io/image"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "sandpool"}
-WORKDIR_SOURCE = "sandpool.io/workdir-source"
-PROVISION_ERROR = "sandpool.io/provision-error"
 #: Per-object label: deletes of many objects are batched as one collection delete with
 #: ``sandpool.io/obj in (...)``.
 OBJ_LABEL = "sandpool.io/obj"
@@ -64,18 +62,18 @@ class PodImage:
     Attributes:
         image: The container image reference.
         workdir: Path of the task repo inside the container (SWE-bench images: ``/testbed``).
-        workdir_source: Host directory the local cluster copies into the pod's workdir
-            (annotation ``sandpool.io/workdir-source``); None on real clusters.
         env: Literal environment variables of the container.
         head: The commit the image's workdir is at, when known (the pool then skips the
             checkout on a fresh sandbox's first claim for that commit).
+        annotations: Annotations of every pod of the image (for the cluster's own
+            controllers or admission; sandpool reads none).
     """
 
     image: str
     workdir: str = "/testbed"
-    workdir_source: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     head: str | None = None
+    annotations: Mapping[str, str] = field(default_factory=dict)
 
 
 def check_run_id(run_id: str) -> str:
@@ -201,8 +199,7 @@ def scratch_volume(spec: dict[str, Any], pi: PodImage, disk_bytes: int) -> None:
 
 
 def _pod_meta(run_id: str, image: str, pi: PodImage) -> dict[str, Any]:
-    ann = {WORKDIR_SOURCE: pi.workdir_source} if pi.workdir_source else {}
-    return {"labels": labels(run_id, image), "annotations": ann}
+    return {"labels": labels(run_id, image), "annotations": dict(pi.annotations)}
 
 
 def template(

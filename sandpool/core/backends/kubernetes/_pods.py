@@ -51,9 +51,7 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
 
 def pod_start_failure(pod: Mapping[str, Any]) -> str | None:
     """Why a starting pod will never become Ready, or None while it may still."""
-    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    if err := (meta.get("annotations") or {}).get(m.PROVISION_ERROR):
-        return f"provisioning failed: {err}"
+    status = pod.get("status") or {}
     for cs in status.get("containerStatuses") or []:
         state = cs.get("state") or {}
         waiting = state.get("waiting") or {}

@@ -286,8 +286,8 @@ class KubernetesBackend(Backend):
         reusing strategy's Sandbox objects carry their pod template themselves).
 
         Raises:
-            ImageNotFound: Not in the image map, an invalid image reference, or a missing
-                ``workdir_source`` directory.
+            ImageNotFound: Not in the image map (or the map raised it), or an invalid image
+                reference.
             BackendUnavailable, ApiError, ConfigError: The template could not be created.
         """
         self._images.resolve(image)
