@@ -10,13 +10,9 @@ Everything created carries the label ``sandpool.io/run-id=<run_id>``; :meth:`acl
 Readiness and death come from one shared watch per resource (:class:`Informer`): pods, and
 in agent-sandbox mode claims and warm pools.
 
-The backend is composed of parts, each given what it uses when it is made: the HTTP layer
-(:class:`KubeHttp`), the watches, :class:`PodImages` (image map, pod spec), :class:`Claims`
-(templates, warm pools, claims, Sandbox objects), :class:`Pods`, :class:`LiveSandboxes`
-(a Ready pod made a sandbox, its death), :class:`Presessions`, :class:`Placement`
-(placement and prepull), :class:`Preflight` and :class:`Deleter` (deletes, gc). No part
-reads another's state. This module wires them from the backend's options; ``create`` is the
-one place that sequences them.
+The backend is composed of parts (the package's layout), each given what it uses when it is
+made; no part reads another's state. This module wires them from the backend's options, and
+``create`` is the one place that sequences them.
 """
 
 from __future__ import annotations
@@ -244,17 +240,11 @@ class KubernetesBackend(Backend):
         sandboxes (whose commands each open a pod exec), retries (REST, watch and exec
         handshakes), in-flight peak."""
         h, live = self._http, self._live
-        return {
-            "writes": h.writes,
-            "reads": h.reads,
-            "execs": h.execs,
-            "agent_fallbacks": live.agent_fallbacks,
-            "presessions_adopted": self.presessions_adopted,
-            "fallback_sandboxes": live.fallback_sandboxes,
-            "retried": h.retried,
-            "inflight_peak": self.throttle.inflight_peak,
-            "writes_by": dict(h.writes_by),
-        }
+        return {"writes": h.writes, "reads": h.reads, "execs": h.execs,
+                "agent_fallbacks": live.agent_fallbacks,
+                "presessions_adopted": self.presessions_adopted,
+                "fallback_sandboxes": live.fallback_sandboxes, "retried": h.retried,
+                "inflight_peak": self.throttle.inflight_peak, "writes_by": dict(h.writes_by)}
 
     async def _client(self) -> KubeHttp:
         """The HTTP layer, open.
