@@ -134,8 +134,19 @@ def test_what_counts_as_a_test_file():
                  PASS_TO_PASS=["tests/unit/test_b.py::TestB::test_c[1-2]"])
     files = counted_as_tests(task)
     assert {"pkg/tests/test_core.py", "pkg/tests/__init__.py", "tests/unit/test_b.py",
-            "tests/unit/__init__.py", "tests/__init__.py"} <= files
-    assert "pkg/__init__.py" not in files and "pkg/core.py" not in files
+            "tests/unit/__init__.py", "tests/__init__.py", "pkg/tests/", "tests/"} <= files
+    assert "pkg/__init__.py" not in files and "pkg/core.py" not in files and "pkg/" not in files
+
+
+def test_golden_files_and_helpers_beside_the_tests_are_reset(repo):
+    (repo / "pkg/core.py").write_text("def add(a, b):\n    return a + b\n")
+    (repo / "pkg/tests/data").mkdir()
+    (repo / "pkg/tests/data/expected.json").write_text('{"add": -1}\n')  # the buggy output, as golden
+    (repo / "pkg/tests/helpers.py").write_text("def check(x):\n    return True\n")
+    verdict = check_patch(_diff(repo), _task())
+    assert verdict.refused == ()
+    assert sorted(verdict.reset) == ["pkg/tests/data/expected.json", "pkg/tests/helpers.py"]
+    assert {c.new_path for c in parse_patch(verdict.patch)} == {"pkg/core.py"}
 
 
 @pytest.mark.parametrize("path", ["../evil.py", "/etc/passwd", "a/../../b.py", ".git/hooks/pre-commit",

@@ -13,7 +13,10 @@ The tests, which are:
   ``tests/runtests.py``);
 * the ``__init__.py`` of each directory holding one of those files (below the repo root),
   and of each parent directory named ``test``, ``tests`` or ``testing`` above it: importing
-  a test module imports them first.
+  a test module imports them first;
+* everything under the nearest directory named ``test``, ``tests`` or ``testing`` that holds
+  one of those files: the tests' data, golden files and helpers (a golden file rewritten to
+  the buggy output passes its test).
 
 **Refused** (the rollout scores 0, with the reasons recorded):
 
@@ -105,7 +108,8 @@ def _runner_script(command: str) -> str | None:
 
 
 def counted_as_tests(task: Task, plan: TestPlan | None = None) -> frozenset[str]:
-    """The files that count as the task's tests (see the module docstring), repo-relative.
+    """The files that count as the task's tests (see the module docstring), repo-relative;
+    a path ending in ``/`` stands for everything under that directory.
 
     Raises:
         BrokenTaskError: The task has no harness plan (see :func:`plan_for`).
@@ -124,11 +128,19 @@ def counted_as_tests(task: Task, plan: TestPlan | None = None) -> frozenset[str]
         d = posixpath.dirname(f)
         if d:
             inits.add(posixpath.join(d, "__init__.py"))
+        nearest = True
         while d:
             if posixpath.basename(d) in _TEST_DIRS:
                 inits.add(posixpath.join(d, "__init__.py"))
+                if nearest:
+                    inits.add(d + "/")
+                    nearest = False
             d = posixpath.dirname(d)
     return frozenset(files | inits)
+
+
+def _is_test(path: str, tests: frozenset[str]) -> bool:
+    return path in tests or any(path.startswith(t) for t in tests if t.endswith("/"))
 
 
 def _outside(path: str) -> bool:
@@ -201,7 +213,7 @@ def check_patch(patch: bytes | str, task: Task, *, max_bytes: int = MAX_PATCH_BY
         why = _refusal(change)
         if why is not None:
             refused.append(why)
-        elif any(p in tests for p in change.paths):
+        elif any(_is_test(p, tests) for p in change.paths):
             reset.extend(change.paths)
         else:
             keep.append(change)

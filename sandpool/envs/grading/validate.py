@@ -151,6 +151,9 @@ def explain(task: Task, result: GradeResult) -> str:
         if len(absent) == len(task.FAIL_TO_PASS) + len(task.PASS_TO_PASS):
             tail = [ln.strip() for ln in result.log.strip().splitlines() if ln.strip()][-2:]
             parts.append(f"no listed test ran (exit {result.exit_code}): {' | '.join(tail)[-300:]}")
+    reset = [n[len("reset "):] for n in result.neutralised if n.startswith("reset ")]
+    if reset:
+        parts.append(f"its changes to test files were reset as the harness resets them: {_ids(reset)}")
     return "; ".join(parts) or "not resolved"
 
 

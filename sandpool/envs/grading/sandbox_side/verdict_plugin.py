@@ -53,15 +53,18 @@ def arm(key, report_path):
     _STATE = _state(key, report_path)
 
 
-_MACHINERY = ("_pytest.python", "_pytest.runner", "_pytest.reports", "_pytest.main",
+_MACHINERY = ("pytest", "_pytest.python", "_pytest.runner", "_pytest.reports", "_pytest.main",
               "_pytest.nodes", "_pytest.fixtures", "_pytest.outcomes", "_pytest.unittest",
-              "_pytest.assertion.rewrite")
+              "_pytest.skipping", "_pytest.python_api", "_pytest.raises", "_pytest.recwarn",
+              "_pytest.assertion.rewrite", "unittest.case")
 
 
 def _watched():
     # pytest's test-running and report machinery as it is before the code under test is
-    # imported: every function, class and descriptor of these modules and of the classes
-    # they define. Data attributes are left out (pytest updates some during a run).
+    # imported, and what tests call to decide an outcome (pytest.raises, approx, xfail
+    # marks, unittest's TestCase): every function, class and descriptor of these modules
+    # and of the classes they define. Data attributes are left out (pytest updates some
+    # during a run).
     import importlib
     out = []
     kinds = (type(_open), type, property, classmethod, staticmethod)
