@@ -154,3 +154,14 @@ def oci_store(oci_images: Path):
 def swe_task(oci_images: Path) -> Task:
     """The SWE-shaped task of the OCI test image."""
     return Task.model_validate_json((oci_images / "swe-task.json").read_text())
+
+
+@pytest.fixture
+def spare_ids():
+    """A range of host ids that no sandbox on this machine holds while the test runs: the
+    plain namespaces a test starts as those ids starve, or read from, no one else's."""
+    from sandpool.core.backends.local._idrange import allocate
+
+    ids = allocate()
+    yield ids
+    ids.release()

@@ -27,7 +27,6 @@ import pytest
 from sandpool.core import Outcome, PoolLimits, SandboxPool, run_rollout
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.backends.local._seccomp import _ABIS
-from sandpool.core.images import ID_BASE
 
 ADD_KEY, _, KEYCTL = _ABIS[platform.machine()][0].keyring
 SECRET = "GOLD-DIFF-3f9c"
@@ -70,7 +69,8 @@ def _bare(uid: int, *argv: str) -> list[str]:
     """A process in its own user, pid and mount namespaces under bubblewrap, as host uid
     ``uid``, without sandpool's filter: what a sandbox was before the defence."""
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--",
-            shutil.which("bwrap") or "bwrap", "--unshare-all", "--ro-bind", "/", "/", "--proc", "/proc",
+            shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/", "/",
+            "--proc", "/proc",
             "--dev", "/dev", "--tmpfs", "/tmp", *argv]
 
 
@@ -78,15 +78,16 @@ def _host_python() -> str:
     return "/usr/bin/python3" if Path("/usr/bin/python3").exists() else sys.executable
 
 
-def test_without_the_filter_a_key_stored_in_one_namespace_is_read_from_another_of_another_uid():
-    writer = subprocess.Popen(_bare(ID_BASE + 1000, _host_python(), "-c", KEYS, "store", "hold"),
+def test_without_the_filter_a_key_stored_in_one_namespace_is_read_from_another_of_another_uid(
+        spare_ids):
+    writer = subprocess.Popen(_bare(spare_ids.host(1000), _host_python(), "-c", KEYS, "store", "hold"),
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout is not None
         stored = writer.stdout.readline().split()
         assert stored[0] == "stored", stored
         # Another uid, its own user namespace: only the serial is needed (and /proc/keys shows it).
-        res = subprocess.run(_bare(ID_BASE + 2000, _host_python(), "-c", KEYS, "read", stored[1]),
+        res = subprocess.run(_bare(spare_ids.host(2000), _host_python(), "-c", KEYS, "read", stored[1]),
                              capture_output=True, text=True, check=True)
         assert f"read {stored[1]} b'{SECRET}'" in res.stdout, res.stdout
     finally:
@@ -104,11 +105,12 @@ async def keyring_setup(request, default_pack_tasks, test_images_root):
     yield backend, task
 
 
-async def test_no_keyring_is_reachable_so_neither_the_next_rollout_nor_a_sibling_reads_a_key(keyring_setup):
+async def test_no_keyring_is_reachable_so_neither_the_next_rollout_nor_a_sibling_reads_a_key(keyring_setup,
+                                                                                             spare_ids):
     backend, task = keyring_setup
     # A key of the host, world-readable, that a sandbox could otherwise read by its serial.
     outsider = await asyncio.create_subprocess_exec(
-        *_bare(ID_BASE + 3000, _host_python(), "-c", KEYS, "store", "hold"),
+        *_bare(spare_ids.host(3000), _host_python(), "-c", KEYS, "store", "hold"),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert outsider.stdout is not None
     serial = (await outsider.stdout.readline()).decode().split()[1]
@@ -153,9 +155,9 @@ print("own limit", resource.getrlimit(resource.RLIMIT_NOFILE))
 """
 
 
-def test_without_the_filter_a_process_sets_the_limits_of_pid_1_of_its_uid():
+def test_without_the_filter_a_process_sets_the_limits_of_pid_1_of_its_uid(spare_ids):
     script = f"{_host_python()} -c '{LIMITS}' 1; true"  # sh, pid 1, stays to be the target
-    res = subprocess.run(_bare(ID_BASE + 1000, "--as-pid-1", "sh", "-c", script), capture_output=True,
+    res = subprocess.run(_bare(spare_ids.host(1000), "--as-pid-1", "sh", "-c", script), capture_output=True,
                          text=True, check=True)
     assert "set the limit of another process" in res.stdout, res.stdout
 

@@ -22,7 +22,7 @@ import pytest
 from sandpool.core import errors
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.base import ResourceLimits
-from sandpool.core.images import ID_BASE, ImageStore, hydrate
+from sandpool.core.images import ID_COUNT, ImageStore, hydrate
 from sandpool.core.reset import record_pristine, reset_in_place
 from sandpool.core.task import Task
 from sandpool.envs.taskpack.oci import SWE_IMAGE
@@ -55,12 +55,12 @@ async def test_root_inside_is_an_unprivileged_uid_outside(oci_backend: LocalBack
     assert res.text.split() == ["0"]
     assert "unshare failed: No space left on device" in res.err_text  # no nested user namespace
     assert "Read-only file system" in res.err_text  # the host's /usr is mounted read-only
-    assert os.stat(sb.upper / "root" / "made-by-root").st_uid == ID_BASE
+    assert os.stat(sb.upper / "root" / "made-by-root").st_uid == sb.ids.base  # its own range
     host_uids = set()
     for pid in oci_backend._cgroups.pids(sb.id):
         status = Path(f"/proc/{pid}/status").read_text()
         host_uids |= {int(x) for x in next(ln for ln in status.splitlines() if ln.startswith("Uid:")).split()[1:]}
-    assert host_uids and min(host_uids) >= ID_BASE, host_uids
+    assert host_uids and all(sb.ids.base <= u < sb.ids.base + ID_COUNT for u in host_uids), host_uids
 
 
 async def test_whiteouts_opaque_dirs_hard_links_and_device_nodes(oci_backend: LocalBackend) -> None:

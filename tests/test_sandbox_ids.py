@@ -1,10 +1,12 @@
-"""Root inside a sandbox is no one outside: the default pack's sandboxes, attacked from inside.
+"""Root inside a sandbox is no one outside, and no one of another sandbox: the default pack's
+sandboxes, attacked from inside.
 
 A policy creates files, directories, hard links, fifos and setuid/setgid copies of a shell in
 every place it can write (the repo, /tmp = $HOME, /dev/shm, /dev/mqueue), chmods a tracked
 file setuid, and tries chown, setuid(0) and a nested user namespace. The host then looks at
-everything the sandbox could have made: each path is owned by an id of the unprivileged
-range, and no setuid or setgid file of host root (or of any id outside the range) exists.
+everything the sandbox could have made: each path is owned by an id of the sandbox's own
+unprivileged range, and no setuid or setgid file of host root (or of any id outside the range)
+exists.
 The sandbox still works end to end: in-place reset verified, gold patch graded 1, no patch 0.
 """
 
@@ -18,9 +20,9 @@ from pathlib import Path
 import pytest
 
 from sandpool.core import PoolLimits, SandboxPool
-from sandpool.core.backends.local import _idmap, _overlay
-from sandpool.core.backends.local import LocalBackend, LocalSandbox
-from sandpool.core.images import ID_BASE, ID_COUNT
+from sandpool.core.backends.local import LocalBackend, LocalSandbox, _idmap, _overlay
+from sandpool.core.backends.local._idrange import FIRST, RANGES
+from sandpool.core.images import ID_COUNT
 from sandpool.core.paths import sandpool_home
 from sandpool.core.task import Task
 from sandpool.envs.grading import grade
@@ -54,8 +56,9 @@ echo DONE
 """.replace("PLACES", " ".join(f'"{p}"' for p in _PLACES))
 
 
-def _in_range(i: int) -> bool:
-    return ID_BASE <= i < ID_BASE + ID_COUNT
+def _in_range(i: int, sb: LocalSandbox) -> bool:
+    """True when host id ``i`` is one of the sandbox's own range (``_idrange``)."""
+    return sb.ids is not None and sb.ids.base <= i < sb.ids.base + ID_COUNT
 
 
 def _agent_pid(sb: LocalSandbox) -> int:
@@ -107,20 +110,20 @@ async def test_everything_a_sandbox_writes_is_owned_by_an_unprivileged_host_id(p
         assert {"evil-suid", "evil-sgid", "evil-both", "evil-dir", "evil-hard", "evil-fifo",
                 "evil-q", ".home", tracked.rsplit("/", 1)[-1]} <= names, names
         outside = [(p, st.st_uid, st.st_gid) for p, st in made
-                   if not (_in_range(st.st_uid) and _in_range(st.st_gid))]
+                   if not (_in_range(st.st_uid, sb) and _in_range(st.st_gid, sb))]
         assert not outside, outside
         privileged = [(p, st.st_uid, st.st_gid, oct(st.st_mode)) for p, st in made
                       if st.st_mode & (stat.S_ISUID | stat.S_ISGID)]
         # The setuid/setgid bits did land (the attack is real), on files of the sandbox's id.
         assert any(os.path.basename(p) == "evil-both" for p, *_ in privileged), privileged
-        assert all(uid == gid == _idmap.HOST_UID for _, uid, gid, _ in privileged), privileged
+        assert all(uid == gid == sb.ids.host(_idmap.SANDBOX_UID) for _, uid, gid, _ in privileged), privileged
         # Every process of the sandbox, bubblewrap included, runs as ids of the range.
         ids = set()
         for pid in {sb.pid, *pack_backend._cgroups.pids(sb.id)}:
             status = Path(f"/proc/{pid}/status").read_text().splitlines()
             for key in ("Uid:", "Gid:"):
                 ids |= {int(x) for x in next(ln for ln in status if ln.startswith(key)).split()[1:]}
-        assert ids and all(_in_range(i) for i in ids), ids
+        assert ids and all(_in_range(i, sb) for i in ids), ids
     finally:
         await pack_backend.delete(sb)
 
@@ -137,8 +140,8 @@ async def test_id_maps_inside_cover_only_the_unprivileged_range(pack_backend: Lo
             rows = [tuple(map(int, ln.split())) for ln in table.strip().splitlines()]
             assert rows, table
             for inside, outside, count in rows:
-                assert ID_BASE <= outside and outside + count <= ID_BASE + ID_COUNT, rows
-                assert outside - inside == ID_BASE, rows
+                assert outside - inside == sb.ids.base and count <= ID_COUNT, rows
+                assert FIRST <= outside and outside + count <= FIRST + RANGES * ID_COUNT, rows
     finally:
         await pack_backend.delete(sb)
 
@@ -206,12 +209,13 @@ async def test_attacked_sandbox_resets_in_place_and_grades_gold_1_and_empty_0(pa
 
 def test_host_binds_only_what_the_sandbox_uid_cannot_reach_and_parses_arguments_as_arguments():
     src = sandpool_home() / "test-images"  # below /root (0700): out of reach of the sandbox uid
-    assert not _idmap.reachable(src) and _idmap.reachable("/usr/bin")
+    user = FIRST + _idmap.SANDBOX_UID  # a sandbox's uid on the host
+    assert not _idmap.reachable(src, user) and _idmap.reachable("/usr/bin", user)
     where = Path(f"/run/sandpool/test-{secrets.token_hex(4)}") / "sb"
     argv = ["--setenv", "X", "--ro-bind", "--ro-bind", str(src), "/x", "--ro-bind", "/usr", "/usr",
             "/bin/true", "--ro-bind", str(src), "/y"]
     try:
-        out = _idmap.publish_binds(argv, where)
+        out = _idmap.publish_binds(argv, where, user)
         assert out == ["--setenv", "X", "--ro-bind", "--ro-bind", str(where / "b0"), "/x",
                        "--ro-bind", "/usr", "/usr", "/bin/true", "--ro-bind", str(src), "/y"]
         points = {ln.split()[4] for ln in Path("/proc/self/mountinfo").read_text().splitlines()}
@@ -219,7 +223,7 @@ def test_host_binds_only_what_the_sandbox_uid_cannot_reach_and_parses_arguments_
         with pytest.raises(OSError):  # read-only: nothing of the image can be changed through it
             (where / "b0" / "probe").write_text("x")
         with pytest.raises(ValueError, match="--new-option"):
-            _idmap.publish_binds(["--new-option", "/bin/true"], where)
+            _idmap.publish_binds(["--new-option", "/bin/true"], where, user)
     finally:
         assert _idmap.unpublish(where)
         where.rmdir()

@@ -5,10 +5,12 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
 * no network (``--unshare-all``; ``ResourceLimits.network`` shares it back), its own pid,
   ipc, uts, user and cgroup namespaces, ``--die-with-parent``, ``--new-session``, and no
   nested user namespaces;
-* root inside is no one outside: the user namespace maps into the unprivileged id range OCI
-  sandboxes use (uid 1000 inside is host uid 101000; ``_idmap``), bubblewrap itself runs as
-  that uid, and the repo's lower layer is a copy of the image's repo owned by it; so what a
-  rollout writes, setuid bits included, belongs to no host user;
+* root inside is no one outside, and no one of another sandbox: the user namespace maps onto
+  a range of unprivileged host ids of its own (``_idrange``: uid 1000 inside is host uid
+  ``BASE + 1000``; ``_idmap``), bubblewrap itself runs as that uid, and the image's files are
+  seen through idmapped mounts in that range; so what a rollout writes, setuid bits included,
+  belongs to no host user, and no per-user kernel object (inotify instances, pipe pages,
+  message queue bytes) is shared with a concurrent sandbox;
 * a read-only view of the host's ``/usr`` (the toolchain), the image's interpreter and venv,
   and nothing of the host's home, work trees or environment (``--clearenv``);
 * the image's repo at ``/testbed`` as an overlayfs whose upper layer is private to the
@@ -44,7 +46,8 @@ The package: :mod:`.backend` (:class:`LocalBackend`: images, the start sequence,
 :mod:`.sandbox` (:class:`LocalSandbox`: the agent's channel, in-place restore),
 :mod:`._bwrap` (the bubblewrap argv and what a sandbox sees where), :mod:`.service`
 (:class:`ServiceSpec` and its start), :mod:`.image` (image directories), and the host-side
-helpers ``_oci``, ``_idmap``, ``_overlay``, ``_quota``, ``_cgroup`` and ``_seccomp``.
+helpers ``_oci``, ``_idmap``, ``_idrange``, ``_overlay``, ``_quota``, ``_cgroup`` and
+``_seccomp``.
 """
 
 from sandpool.core.backends.local._bwrap import SERVICE_DIR

@@ -1,23 +1,26 @@
-"""Image-directory sandboxes in the unprivileged id range: root inside is no one outside.
+"""Image-directory sandboxes in an unprivileged id range: root inside is no one outside.
 
 A sandbox of an image directory (the task pack's images) runs its commands as uid/gid
 :data:`SANDBOX_UID` inside. It gets the same user namespace as an OCI sandbox (``_oci``): the
-host writes ``0 ID_BASE ID_COUNT`` to its uid and gid maps (``_oci.map_ids``), so uid 1000
-inside is host uid :data:`HOST_UID` (``ID_BASE + 1000``) and nothing inside maps to a host id
-below ``ID_BASE``. What it writes (the overlay's upper layer, ``/tmp``, ``/dev/shm``, a
-service's directory) is owned by that id on the host, and a setuid bit it sets makes a setuid
-binary of an unprivileged id, never of host root.
+host writes ``0 BASE ID_COUNT`` to its uid and gid maps (``_oci.map_ids``), ``BASE`` the first
+id of the sandbox's own range (``_idrange``), so uid 1000 inside is host uid ``BASE + 1000``
+and nothing inside maps to a host id of the host's users or of another sandbox. What it writes
+(the overlay's upper layer, ``/tmp``, ``/dev/shm``, a service's directory) is owned by that id
+on the host, and a setuid bit it sets makes a setuid binary of an unprivileged id, never of
+host root.
 
 Three pieces make that work, each done the way the OCI path does it (the third for both):
 
 * The image's repo, the overlay's lower layer, must be owned by the sandbox user as it was
   when uid 1000 inside was host root (else the policy could not edit its checkout):
   :func:`shifted_repo` makes, once per image, a copy whose files are owned by
-  :data:`HOST_UID`, identical otherwise (modes, setuid bits, mtimes, xattrs, hard links), the
-  way OCI layers are unpacked with their ids shifted. The image directory itself is never
-  changed: the copy sits beside it, named by :data:`VERSION` and the repo's identity, so older
-  code and other images keep working on the same cache.
-* bubblewrap runs as :data:`HOST_UID` (:func:`as_host_id`), not as root, so every mount it
+  :data:`HOST_UID` (``ID_BASE + 1000``, the image store's shift), identical otherwise (modes,
+  setuid bits, mtimes, xattrs, hard links), the way OCI layers are unpacked with their ids
+  shifted; each sandbox sees it through an idmapped mount in its own range
+  (``_idrange.IdRange.view``). The image directory itself is never changed: the copy sits
+  beside it, named by :data:`VERSION` and the repo's identity, so older code and other images
+  keep working on the same cache.
+* bubblewrap runs as the sandbox's uid (:func:`as_host_id`), not as root, so every mount it
   makes is an unprivileged one. That uid cannot search ``/root``, where the images, the
   host's Python and the sandbox's state live, so the host binds each such source under the
   sandbox's directory in ``/run/sandpool`` first (:func:`publish_binds`), as the OCI path
@@ -50,7 +53,8 @@ __all__ = ["HOST_UID", "SANDBOX_UID", "VERSION", "as_host_id", "disable_nested_u
 
 #: The uid/gid commands of an image-directory sandbox run as, inside.
 SANDBOX_UID = 1000
-#: What :data:`SANDBOX_UID` is on the host.
+#: The owner of the shifted repo copies: :data:`SANDBOX_UID` in the image store's shift. Each
+#: sandbox sees it as :data:`SANDBOX_UID` of its own range (``_idrange``).
 HOST_UID = ID_BASE + SANDBOX_UID
 #: Names the shifted copies of image repos; bump when their layout changes.
 VERSION = "ids-v1"
@@ -81,7 +85,7 @@ def as_host_id(host_id: int) -> list[str]:
     return ["setpriv", f"--reuid={host_id}", f"--regid={host_id}", "--clear-groups", "--"]
 
 
-def reachable(path: Path | str, host_id: int = HOST_UID) -> bool:
+def reachable(path: Path | str, host_id: int) -> bool:
     """True when host uid/gid ``host_id`` may search every directory above ``path``."""
     p = Path(os.path.realpath(path))
     for d in p.parents:
@@ -97,9 +101,9 @@ def reachable(path: Path | str, host_id: int = HOST_UID) -> bool:
     return True
 
 
-def publish_binds(argv: Sequence[str], where: Path) -> list[str]:
-    """Make every ``--[ro-]bind[-try] SRC DEST`` of a bubblewrap argv reachable by
-    :data:`HOST_UID`: a source below a directory it cannot search (``/root``) is bind-mounted
+def publish_binds(argv: Sequence[str], where: Path, host_id: int) -> list[str]:
+    """Make every ``--[ro-]bind[-try] SRC DEST`` of a bubblewrap argv reachable by host uid
+    ``host_id``: a source below a directory it cannot search (``/root``) is bind-mounted
     by the host at ``where/b<N>`` (read-only, ``nosuid``, ``nodev`` for ``--ro-bind*``;
     ``nosuid``, ``nodev`` for ``--bind*``) and named by that path instead. ``where`` is a per-sandbox
     directory under the world-searchable ``/run/sandpool`` (``_oci.public_dir``), as the OCI
@@ -132,7 +136,7 @@ def publish_binds(argv: Sequence[str], where: Path) -> list[str]:
             raise ValueError(f"publish_binds: unknown bubblewrap option {opt!r}; add it to _ARITY or _FLAGS")
         args = list(argv[i + 1:i + 1 + n])
         # A missing source of a -try bind stays as it is: bubblewrap skips it.
-        if opt in _BINDS and os.path.exists(args[0]) and not reachable(args[0]):
+        if opt in _BINDS and os.path.exists(args[0]) and not reachable(args[0], host_id):
             if n_binds == 0:
                 for d in (where.parent.parent, where.parent, where):
                     d.mkdir(exist_ok=True)

@@ -9,9 +9,11 @@ How one OCI sandbox is laid out (the local backend calls these helpers):
 * A tiny skeleton layer on top supplies the mount points ``/.sandpool/{usr,python,agent.py}``
   without writing them into the upper layer.
 * User namespace: bubblewrap creates it and waits (``--userns-block-fd``) while the backend,
-  as host root, writes ``0 ID_BASE ID_COUNT`` to its uid and gid maps: uid 0 inside is host
-  uid ``ID_BASE``, which owns nothing outside the image's layers and the sandbox's upper. The
-  layers were unpacked with the same shift, so root inside owns the image's root files.
+  as host root, writes ``0 BASE ID_COUNT`` to its uid and gid maps, ``BASE`` the first id of
+  the sandbox's own range (``_idrange``): uid 0 inside is host uid ``BASE``, which owns
+  nothing outside its sandbox. The layers were unpacked once with ``ID_BASE``'s shift and are
+  seen through idmapped mounts shifted to the sandbox's range (:func:`views`), so root inside
+  owns the image's root files.
   Commands hold no capabilities. Nested user namespaces are disabled by the host before it
   releases bubblewrap (``_idmap.disable_nested_userns``: bubblewrap cannot combine
   ``--disable-userns`` with ``--userns-block-fd``), and bubblewrap asserts it.
@@ -43,13 +45,14 @@ from pathlib import Path
 
 from sandpool.core import errors
 from sandpool.core.backends.local._idmap import as_host_id, disable_nested_userns, unpublish
+from sandpool.core.backends.local._idrange import IdRange
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
 from sandpool.core.mounts import bind_ro, mount_overlay, umount
 
 __all__ = ["IMAGE_IN_SANDBOX", "PUBLIC_ROOT", "bwrap_argv", "changes_outside", "host_python",
-           "image_view", "lowerdirs", "map_ids", "prepare_host", "public_dir", "release_host",
-           "skeleton"]
+           "map_ids", "prepare_host", "public_dir", "release_host", "skeleton", "unmount_views",
+           "views"]
 
 _SP = "/.sandpool"
 #: Where an OCI sandbox sees its image's pristine repo, read-only (the source of in-place
@@ -122,15 +125,37 @@ def skeleton(run_dir: Path) -> Path:
     return skel
 
 
-def lowerdirs(store: ImageStore, img: OciImage, skel: Path) -> list[Path]:
-    """Overlay lower directories for ``img``, top first: the skeleton, then its layers."""
-    return [skel, *(store.layer_path(layer.diff_id) for layer in reversed(img.layers))]
+def views(store: ImageStore, img: OciImage, skel: Path, where: Path, ids: IdRange) -> tuple[list[Path], Path]:
+    """Mount the sandbox's views of ``img`` under ``where`` (its public directory) and return
+    ``(lower directories top first, image view)``.
+
+    The layers and the skeleton are stored with ``ID_BASE``'s shift; the sandbox sees them
+    through idmapped mounts in its own id range (``where/l``, ``where/skel``;
+    ``_idrange``). The image view (``where/view``, read-only) is the image as a sandbox first
+    sees it: the host compares a sandbox's upper layer with it (``_overlay.diff``), and the
+    agent copies pristine files from it on an in-place reset. :func:`unmount_views` undoes it.
+    """
+    for d in ("skel", "l", "view"):
+        (where / d).mkdir(exist_ok=True)
+    ids.view([(skel, where / "skel"), (store.layers_dir, where / "l")])
+    layers = [where / "l" / store.layer_path(layer.diff_id).name for layer in reversed(img.layers)]
+    empty = where.parent / "empty"  # overlay wants two lower layers when it has no upper one
+    empty.mkdir(exist_ok=True)
+    mount_overlay([*layers, empty], None, None, where / "view", readonly=True)
+    return [where / "skel", *layers], where / "view"
+
+
+def unmount_views(where: Path) -> None:
+    """Unmount a sandbox's root and views under ``where`` (the overlays before the idmapped
+    binds under them); never raises."""
+    for d in ("root", "view", "l", "skel"):
+        umount(where / d)
 
 
 def public_dir(run_id: str) -> Path:
     """Where one run's OCI sandboxes are mounted: under ``/run/sandpool``, world-searchable.
 
-    bubblewrap runs as host uid ``ID_BASE`` and resolves its bind sources by path, so they must
+    bubblewrap runs as an unprivileged host uid and resolves its bind sources by path, so they must
     not sit below a directory only root may search (``/root/.cache``, ``/root/.pyenv``).
     """
     return PUBLIC_ROOT / run_id
@@ -159,43 +184,24 @@ def prepare_host(run_id: str, agent: Path) -> Path:
     return pub
 
 
-def image_view(pub: Path, store: ImageStore, img: OciImage) -> Path:
-    """Mount (once per run) and return a read-only view of ``img``'s layers under ``pub``.
-
-    It is the image as a sandbox first sees it: the host compares a sandbox's upper layer with
-    it (``_overlay.diff``), and the agent copies pristine files from it on an in-place reset.
-    """
-    view = pub / f"img-{img.digest.split(':')[1][:16]}"
-    if os.path.ismount(view):
-        return view
-    empty = pub / "empty"  # overlay wants two lower layers when it has no upper one
-    empty.mkdir(exist_ok=True)
-    view.mkdir(exist_ok=True)
-    layers = [store.layer_path(layer.diff_id) for layer in reversed(img.layers)]
-    mount_overlay([*layers, empty], None, None, view, readonly=True)
-    return view
-
-
 def release_host(pub: Path) -> None:
     """Unmount whatever is mounted under ``pub`` and remove it; never raises."""
     if not pub.is_dir():
         return
     left = False
     for child in pub.iterdir():
-        if child.name.startswith("img-"):
-            umount(child)
-        elif child.name == "host":
+        if child.name == "host":
             umount(child / "python")
-        else:
-            umount(child / "root")
+        elif child.is_dir() and child.name != "empty":
+            unmount_views(child)
             left |= not unpublish(child)
     if not left:  # never recursively through a bind still mounted
         shutil.rmtree(pub, ignore_errors=True)
 
 
 def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path,
-               block_fd: int, info_fd: int, seccomp_fd: int, work_procs: Sequence[str] = (),
-               view: Path | None = None) -> list[str]:
+               block_fd: int, info_fd: int, seccomp_fd: int, host_id: int,
+               work_procs: Sequence[str] = (), view: Path | None = None) -> list[str]:
     """The bubblewrap command line of one OCI sandbox (see the module docstring)."""
     _, py_argv = host_python()
     env = dict(e.split("=", 1) for e in img.env if "=" in e)
@@ -204,9 +210,9 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
     env.setdefault("LANG", "C.UTF-8")
     env.setdefault("GIT_CONFIG_NOSYSTEM", "1")
     argv = [
-        # bubblewrap runs as host uid ID_BASE, which the map makes uid 0 inside: it must be
-        # able to name its own uid in the namespace it creates.
-        *as_host_id(ID_BASE),
+        # bubblewrap runs as host id ``host_id``, the base of the sandbox's range, which the map
+        # makes uid 0 inside: it must be able to name its own uid in the namespace it creates.
+        *as_host_id(host_id),
         bwrap,
         "--unshare-all", "--unshare-user",
         "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
@@ -251,12 +257,12 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
     return argv
 
 
-async def map_ids(info_r: int, block_w: int, timeout: float) -> int:
+async def map_ids(info_r: int, block_w: int, base: int, timeout: float) -> int:
     """Wait for bubblewrap's child pid on ``info_r``, write its id maps, then release it.
 
     Every local sandbox's user namespace is mapped here: uid/gid ``n`` inside is host
-    ``ID_BASE + n``, for ``n`` below ``ID_COUNT``; then nested user namespaces are disabled
-    (``_idmap.disable_nested_userns``) before bubblewrap goes on.
+    ``base + n`` (its own range, ``_idrange``), for ``n`` below ``ID_COUNT``; then nested user
+    namespaces are disabled (``_idmap.disable_nested_userns``) before bubblewrap goes on.
 
     Returns:
         The child's host pid.
@@ -289,7 +295,7 @@ async def map_ids(info_r: int, block_w: int, timeout: float) -> int:
         pid = int(json.loads(buf.split(b"}")[0] + b"}")["child-pid"])
         for kind in ("uid_map", "gid_map"):
             with open(f"/proc/{pid}/{kind}", "w") as f:
-                f.write(f"0 {ID_BASE} {ID_COUNT}\n")
+                f.write(f"0 {base} {ID_COUNT}\n")
     except (ValueError, KeyError, OSError) as exc:
         raise errors.SandboxStartError(f"bubblewrap's user namespace could not be mapped: {exc} "
                                        f"(info: {buf[:200]!r})") from None

@@ -16,13 +16,13 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from sandpool.core import errors
-from sandpool.core.backends.local import _cgroup, _idmap, _oci, _quota, _seccomp
+from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _seccomp
 from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, write_etc
 from sandpool.core.backends.local.image import LocalImage, image_dir
 from sandpool.core.backends.local.sandbox import LocalSandbox
 from sandpool.core.backends.local.service import ServiceSpec, start_service
 from sandpool.core.base import Backend, ResourceLimits, Sandbox
-from sandpool.core.images import ID_BASE, ImageStore, OciImage
+from sandpool.core.images import ImageStore, OciImage
 from sandpool.core.mounts import mount_overlay
 from sandpool.core.mounts import umount as _umount
 from sandpool.core.paths import sandpool_home
@@ -114,6 +114,7 @@ class LocalBackend(Backend):
         reap_stale(self._state_base)
         self._run_dir.mkdir(parents=True, exist_ok=True)
         (self._run_dir / "owner.pid").write_text(str(os.getpid()))
+        await _offload(_idrange.check, self._run_dir)  # after owner.pid: a dead run's is reaped
         self._preflight_ok = True
 
     def image(self, name: str) -> LocalImage | OciImage:
@@ -188,6 +189,9 @@ class LocalBackend(Backend):
         pass_fds: list[int] = []  # the child's ends, closed once it is spawned
         info_r = block_w = -1
         budget = None
+        # The sandbox's own host ids: no per-user kernel object shared with another (_idrange).
+        ids = _idrange.allocate()
+        user = ids.host(img.uid) if oci else ids.host(_idmap.SANDBOX_UID)  # who runs it, on the host
         try:
             state.mkdir(parents=True)
             upper, work, tmp = state / "upper", state / "work", None
@@ -195,18 +199,18 @@ class LocalBackend(Backend):
                 disk = state / "disk"
                 disk.mkdir()
                 tpl = await _offload_ret(_quota.template, self.limits.disk_bytes)
-                await _quota.attach(tpl, state / "disk.img", disk, ID_BASE if oci else _idmap.HOST_UID)
+                await _quota.attach(tpl, state / "disk.img", disk, ids.base if oci else user)
                 upper, work, tmp = disk / "upper", disk / "work", disk / "tmp"
             else:
                 upper.mkdir()
                 work.mkdir()
                 if oci:
-                    os.chown(upper, ID_BASE, ID_BASE)
+                    os.chown(upper, ids.base, ids.base)
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
             budget = self._cgroups.watch(sid) if self._cgroups else None  # whose a death is
             work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
-            # The agent (host uid ID_BASE + its uid inside) moves its commands there.
-            agent_id = (ID_BASE + img.uid, ID_BASE + img.gid) if oci else (_idmap.HOST_UID,) * 2
+            # The agent (its uid inside, in the sandbox's range) moves its commands there.
+            agent_id = (user, ids.host(img.gid)) if oci else (user, user)
             for f in work_procs:
                 os.chown(f, *agent_id)
             info_r, info_w = os.pipe()
@@ -219,15 +223,20 @@ class LocalBackend(Backend):
                 pub = _oci.prepare_host(self.run_id, AGENT)
                 root = pub / sid / "root"
                 root.mkdir(parents=True)
-                lowers = _oci.lowerdirs(self.store, img, _oci.skeleton(self._run_dir))
+                lowers, view = await _offload_ret(_oci.views, self.store, img,
+                                                  _oci.skeleton(self._run_dir), pub / sid, ids)
                 mount_overlay(lowers, upper, work, root)
-                view = _oci.image_view(pub, self.store, img)
                 argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
                                        block_fd=block_r, info_fd=info_w, seccomp_fd=seccomp_r,
-                                       work_procs=work_procs, view=view)
+                                       host_id=ids.base, work_procs=work_procs, view=view)
             else:
-                merged = state / "merged"
+                merged, lower = state / "merged", state / "lower"
                 merged.mkdir()
+                lower.mkdir()
+                # The image's repo as the sandbox's range owns it: the overlay's lower layer and
+                # the in-place reset's restore source.
+                await _offload(ids.view, [(Path(img.repo), lower)])
+                img = img.model_copy(update={"repo": str(lower)})
                 # The merged root takes the upper root's attributes: make them the image's, so
                 # the fresh repo is identical to the image's down to its root directory.
                 lst = os.stat(img.repo)
@@ -239,11 +248,11 @@ class LocalBackend(Backend):
                 svc = (state / "disk" if self.limits.disk_bytes else state) / "service"
                 if self.service is not None:
                     svc.mkdir()
-                    os.chown(svc, _idmap.HOST_UID, _idmap.HOST_UID)
+                    os.chown(svc, user, user)
                 argv = _idmap.publish_binds(bwrap_argv(self.bwrap, self.limits, img, etc, merged, tmp,
                                                        work_procs, self.service, svc)[1:],
-                                            _oci.public_dir(self.run_id) / sid)
-                argv = [*_idmap.as_host_id(_idmap.HOST_UID), self.bwrap, "--userns-block-fd", str(block_r),
+                                            _oci.public_dir(self.run_id) / sid, user)
+                argv = [*_idmap.as_host_id(user), self.bwrap, "--userns-block-fd", str(block_r),
                         "--info-fd", str(info_w), "--seccomp", str(seccomp_r), *argv]
             stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
             try:
@@ -268,11 +277,12 @@ class LocalBackend(Backend):
             if budget is not None:
                 budget.close()
             self._cleanup_state(sid, state)
+            ids.release()
             raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
         for fd in pass_fds:
             os.close(fd)
         sandbox = LocalSandbox(sid, img, proc, state, upper)
-        sandbox.budget = budget
+        sandbox.budget, sandbox.ids = budget, ids
         if oci:
             sandbox.lowers = lowers
             if (view / img.repo_dir.lstrip("/") / ".git").is_dir():
@@ -281,7 +291,7 @@ class LocalBackend(Backend):
         self._live[sid] = sandbox
         try:
             try:
-                await _oci.map_ids(info_r, block_w, self.start_timeout)
+                await _oci.map_ids(info_r, block_w, ids.base, self.start_timeout)
             finally:
                 os.close(info_r)
                 os.close(block_w)
@@ -318,6 +328,8 @@ class LocalBackend(Backend):
         await sandbox._reader
         if sandbox.budget is not None:
             sandbox.budget.close()
+        if sandbox.ids is not None:
+            sandbox.ids.release()  # nothing of it runs or is mounted any more
 
     def _cleanup_state(self, sid: str, state: Path) -> None:
         if self._cgroups is not None:
@@ -367,10 +379,12 @@ class LocalBackend(Backend):
 
 
 def _unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
-    # The overlay first (it sits on the quota filesystem), then the quota filesystem.
+    # The overlays first (they sit on the quota filesystem and the image's views), then the
+    # views, then the quota filesystem.
     _umount(state / "merged")
+    _umount(state / "lower")
     root = _oci.public_dir(run_id) / sid
-    _umount(root / "root")
+    _oci.unmount_views(root)
     if _idmap.unpublish(root):  # never recursively through a bind still mounted
         shutil.rmtree(root, ignore_errors=True)
     _quota.detach(state / "disk", state / "disk.img")

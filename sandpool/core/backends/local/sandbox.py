@@ -18,6 +18,7 @@ from sandpool.core.backends._service import RunningService, proc_argv, running_p
 from sandpool.core.backends.local import _oci, _overlay
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
 from sandpool.core.backends.local._cgroup import BudgetWatch
+from sandpool.core.backends.local._idrange import IdRange
 from sandpool.core.backends.local.image import LocalImage
 from sandpool.core.base import ExecResult, Sandbox
 from sandpool.core.images import OciImage
@@ -71,6 +72,8 @@ class LocalSandbox(Sandbox):
         self.host_killed = False  # set by the backend before it kills the process tree
         #: The kernel's count of what exhausted the sandbox's own budget: whose a death is.
         self.budget: BudgetWatch | None = None
+        #: The sandbox's own range of host ids (``_idrange``), released when it is deleted.
+        self.ids: IdRange | None = None
         self._scratch: dict[str, dict] = {}  # scratch dir -> its metadata when fresh
         self._ready: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self._ready.add_done_callback(_retrieve)
