@@ -31,9 +31,10 @@ Episode, from the policy's side:
 * An error the classifier lays on the task's input (e.g. ``BrokenTaskError``, a task that
   cannot be graded) ends the episode the same way, flagged ``info["rejected"]`` instead of
   ``info["infra_failed"]``, and is recorded ``rejected``: not a score either.
-* The policy's own failure (``SandboxExhausted``: its processes killed the sandbox's agent
-  or exhausted it; ``TamperingSuspected`` at grading) *is* a score: reward ``0.0``,
-  ``terminated=True``, ``info["task_failed"]=True``, recorded ``task_failed``.
+* The policy's own failure (``SandboxExhausted``: its processes exhausted the budget the
+  sandbox's agent lives in, as its cgroup counted; ``TamperingSuspected`` at grading) *is* a
+  score: reward ``0.0``, ``terminated=True``, ``info["task_failed"]=True``, recorded
+  ``task_failed``.
 
 Whose fault an error is comes from the core's one classifier
 (:func:`sandpool.core.classify.classify`), never from this module.
