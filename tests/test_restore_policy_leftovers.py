@@ -19,8 +19,11 @@ from __future__ import annotations
 import os
 import sys
 
-from sandpool.core import Outcome, ResourceLimits, SandboxPool, run_rollout
+import pytest
+
+from sandpool.core import Outcome, ResourceLimits, SandboxPool, errors, run_rollout
 from sandpool.core.backends.local import LocalBackend
+from sandpool.core.reset import restore_git_metadata
 from sandpool.envs.grading import grade
 
 DEPTH = 3000  # > sys.getrecursionlimit(); 3 bytes a level: > PATH_MAX
@@ -85,3 +88,28 @@ async def test_a_disk_filled_when_git_is_restored_is_the_policys_failure_scored_
     assert result.error_kind == "disk_quota" and "disk quota has 0 bytes left" in (result.error or ""), result
     # The reset empties /tmp before it restores the repo: the sandbox is reused, not lost.
     assert counters.resets == 1 and counters.quarantines == 0, counters
+
+
+async def test_a_restore_out_of_time_for_the_policys_paths_is_its_failure(test_images_root, calc_commits):
+    # More paths in .git than the restore gets through in its time: the host counts them in
+    # the upper layer (bounded) and finds the rollout's, not the sandbox's, doing.
+    backend = LocalBackend(test_images_root)
+    try:
+        sb = await backend.create("sandpool.test/calc:2")
+        res = await sb.exec("python -c \"import os\nos.makedirs('.git/junk')\n"
+                            "for i in range(120000): os.close(os.open(f'.git/junk/{i}', os.O_CREAT))\"",
+                            timeout=600)
+        assert res.ok, res
+        with pytest.raises(errors.SandboxExhausted, match="left over 100000 paths"):
+            await restore_git_metadata(sb, timeout=1.0)
+        # A few paths that take as long are not evidence: infra, as before.
+        sb2 = await backend.create("sandpool.test/calc:2")
+        assert (await sb2.exec("mkdir .git/slow && touch .git/slow/a")).ok
+        await backend.freeze(sb2)  # the agent cannot answer: out of time, not for the policy
+        try:
+            with pytest.raises(errors.ExecTransportError, match="no answer to 'restore'"):
+                await sb2.restore_repo(".git", timeout=1.0)
+        finally:
+            await backend.freeze(sb2, False)
+    finally:
+        await backend.aclose()

@@ -292,7 +292,9 @@ class SandboxExhausted(TaskError):
     lives in exhausted by the sandbox's own processes (a memory-cgroup OOM or a refused fork in
     its group): the policy's failure, scored. Decided by that evidence, never by how the agent
     died: the policy cannot signal it, so a death without the evidence is
-    :class:`SandboxDied`. The sandbox is deleted, not reused."""
+    :class:`SandboxDied`. Also raised when restoring the repo from the image ran out of time
+    with the rollout's own paths over a bound there (counted on the host). The sandbox is
+    deleted, not reused."""
 
     kind = "sandbox_exhausted"
 

@@ -152,6 +152,8 @@ async def restore_git_metadata(sandbox: Sandbox, *, timeout: float = 60.0) -> No
         DiskQuotaExceeded: The image's files could not be written back because the rollout
             filled the sandbox's disk quota (shown by the quota filesystem, read on the host):
             the policy's failure, scored 0.
+        SandboxExhausted: The restore ran out of time with the rollout's own paths in
+            ``.git`` over a bound (counted on the host): the policy's failure, scored 0.
         ResetError: ``.git`` could not be made identical to the image's for any other
             reason; do not grade on this sandbox (infra's failure, never a reward of 0).
         InfraError: The sandbox could not be reached.

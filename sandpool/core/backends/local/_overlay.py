@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Change", "diff", "tree_equal"]
+__all__ = ["Change", "count_at_least", "diff", "tree_equal"]
 
 _OVL = "trusted.overlay."
 _CHUNK = 1 << 20
@@ -148,6 +148,26 @@ def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True) -> bool:
             return False
         todo.extend((os.path.join(x, n), os.path.join(y, n)) for n in sorted(names_x, reverse=True))
     return True
+
+
+def count_at_least(root: Path | str, n: int) -> bool:
+    """True when the tree at host path ``root`` (a part of an upper layer) holds at least ``n``
+    entries. Iterative, never follows a symlink, and stops at ``n``: the cost is bounded
+    whatever the rollout made; a directory that cannot be read (a path past PATH_MAX) counts
+    as its entry only."""
+    seen, todo = 0, [str(root)]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as it:
+                for e in it:
+                    seen += 1
+                    if seen >= n:
+                        return True
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+        except OSError:
+            continue
+    return False
 
 
 def diff(lower: Path | str, upper: Path | str, under: str = "",

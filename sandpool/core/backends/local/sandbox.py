@@ -28,6 +28,9 @@ __all__ = ["LocalSandbox"]
 #: Free bytes under which a sandbox's quota filesystem counts as full: a restore that failed
 #: with ENOSPC there failed for what the rollout wrote.
 _FULL_BYTES = 1 << 20
+#: Paths a rollout left under what is restored past which a restore that ran out of time ran
+#: out for them (no honest rollout leaves a hundred thousand paths in ``.git``).
+_MANY_PATHS = 100_000
 
 
 class LocalSandbox(Sandbox):
@@ -277,8 +280,19 @@ class LocalSandbox(Sandbox):
                 st = os.stat(pins[c.path])
                 pinned[c.path] = {"data": base64.b64encode(Path(pins[c.path]).read_bytes()).decode(),
                                   "mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
-        msg = await self._call("restore", timeout, root=self.workdir, image=self._image_in_sandbox,
-                               changes=[[c.path, c.kind] for c in changes], pinned=pinned)
+        # What the rollout left there, counted before the agent starts removing it (bounded): if
+        # the restore runs out of time, this says whether for the rollout's paths.
+        many = await asyncio.to_thread(_overlay.count_at_least, upper / prefix if prefix else upper,
+                                       _MANY_PATHS)
+        try:
+            msg = await self._call("restore", timeout, root=self.workdir, image=self._image_in_sandbox,
+                                   changes=[[c.path, c.kind] for c in changes], pinned=pinned)
+        except errors.ExecTransportError as exc:
+            if many:
+                raise errors.SandboxExhausted(
+                    f"sandbox {self.id}: restoring {under or 'the repo'} from the image did not finish "
+                    f"in {timeout:.0f} s: the rollout left over {_MANY_PATHS} paths there") from exc
+            raise
         full = self._disk_full() if {errno.ENOSPC, errno.EDQUOT} & set(msg.get("errnos", [])) else None
         if full:  # the restore could not write the image's files back: the rollout filled the disk
             raise errors.DiskQuotaExceeded(errno.ENOSPC, f"the restore from the image failed ({full}; "
