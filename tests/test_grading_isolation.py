@@ -256,3 +256,36 @@ async def test_a_run_where_no_listed_test_ran_scores_0_and_is_left_to_validation
     _, gold = await _rollout(local_backend, task, lambda sb: _gold(sb, task))
     assert (empty.reward, gold.reward) == (0.0, 0.0)
     assert set(gold.absent) == {"test_gone.py::test_add", "test_calc.py::test_zero"}
+
+
+# -- capture: what the policy left can only fail its own rollout -------------------------------
+
+async def test_capture_on_a_disk_the_policy_filled_is_its_own_failure(test_images_root, calc_task):
+    from sandpool.core.base import ResourceLimits
+
+    backend = LocalBackend(test_images_root, limits=ResourceLimits(disk_bytes=32 << 20))
+    await backend.preflight()
+    try:
+        sb = await _at_base(backend, calc_task)
+        await _gold(sb, calc_task)
+        fill = await sb.exec("dd if=/dev/zero of=/tmp/fill bs=1M count=64; dd if=/dev/zero of=/tmp/fill2 bs=512;"
+                             " for i in $(seq 64); do mkdir /tmp/d$i || break; done", timeout=60)
+        assert "No space left on device" in fill.err_text, fill.err_text
+        with pytest.raises(errors.DiskQuotaExceeded):  # a TaskError: scored 0, never infra
+            await capture_patch(sb, calc_task)
+    finally:
+        await backend.aclose()
+
+
+async def test_capture_kills_the_policys_processes_and_ignores_its_git_config(local_backend, calc_task):
+    sb = await _at_base(local_backend, calc_task)
+    await _gold(sb, calc_task)
+    # Config that would run a clean filter or an external diff if git honoured it, and a
+    # process left running.
+    assert (await sb.exec("git config filter.x.clean 'echo FILTERED' && git config diff.external /bin/false"
+                          " && echo 'calc.py filter=x' > .gitattributes && (nohup sleep 600 >/dev/null 2>&1 &)",
+                          timeout=10)).ok
+    assert any("sleep 600" in p for p in await sb.processes())
+    patch = (await capture_patch(sb, calc_task)).decode()
+    assert "+    return a + b" in patch and "FILTERED" not in patch, patch
+    assert not any("sleep 600" in p for p in await sb.processes())

@@ -113,7 +113,7 @@ async def capture_patch(sandbox, task: Task, *, max_bytes: int = MAX_PATCH_BYTES
                                   f"of {max_bytes}")
     if res.stdout_truncated:
         raise errors.PatchRefused(f"the patch is over the cap of {max_bytes} bytes")
-    if "No space left on device" in err or "Disk quota exceeded" in err:
+    if "No space left on device" in res.err_text or "Disk quota exceeded" in res.err_text:
         raise errors.sandbox_file_error(errno.ENOSPC, priv, f"capturing the patch: {err}")
     if res.exit_code == _BASE_EXIT:
         raise errors.PatchRefused(f"the tree cannot be diffed against base_commit "
