@@ -1,14 +1,20 @@
 """Grading: the reward the task's own harness gives the policy's change.
 
-Modules:
+Modules, in the order a rollout meets them:
 
+* :mod:`~sandpool.envs.grading.capture`: the policy's change, taken as a patch from its sandbox;
+* :mod:`~sandpool.envs.grading.patch`, :mod:`~sandpool.envs.grading.policy`: the patch read as
+  git reads it, and the patch policy it must pass before it is applied;
+* :mod:`~sandpool.envs.grading.diff`: the patch applied in a pristine sandbox and the tests run
+  there in an isolated process (``sandbox_side/runner.py``);
 * :mod:`~sandpool.envs.grading.harness`: each dataset's harness as a test plan (what runs,
   which files are reset, how the log is parsed and scored);
 * :mod:`~sandpool.envs.grading.pytest_log`: pytest's ``-rA`` log, read as SWE-bench reads it;
-* :mod:`~sandpool.envs.grading.verdict`: the signed report and the cross-checks a verdict rests on;
-* :mod:`~sandpool.envs.grading.inplace`: grading the sandbox the policy left;
+* :mod:`~sandpool.envs.grading.verdict`: the signed report (``sandbox_side/verdict_plugin.py``)
+  and the cross-checks a verdict rests on;
 * :mod:`~sandpool.envs.grading.validate`: gold and empty patch on every task, before rollouts;
-* ``sandbox_side/``: the files grading runs inside a sandbox.
+* :mod:`~sandpool.envs.grading.inplace`: grading the sandbox the policy left, with a list of
+  known tricks undone (``sandbox_side/prepare.py``): what diff grading replaces.
 """
 
 from sandpool.envs.grading.inplace import grade
