@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 NG_VENV := .venvs/nemo-gym
 SANDPOOL_SRC := pyproject.toml $(shell find sandpool -type f -not -name '*.pyc' -not -path '*/.venv/*' 2>/dev/null)
 
-.PHONY: run test sysdeps venv nemo-gym-venv cluster-build bench clean
+.PHONY: run test sysdeps dockerdeps venv nemo-gym-venv cluster-build bench clean
 
 sysdeps:
 	@command -v bwrap >/dev/null && command -v git >/dev/null && command -v skopeo >/dev/null \
@@ -22,6 +22,17 @@ sysdeps:
 	  echo "installing bubblewrap, git, skopeo, umoci, mmdebstrap, e2fsprogs, docker-registry, runc, CNI plugins (Debian packages)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap git skopeo umoci \
 	    mmdebstrap e2fsprogs docker-registry runc containernetworking-plugins >/dev/null; }
+
+## Debian's Docker (dockerd 20.10, containerd 1.6, runc 1.1): the baseline the tests and the
+## benchmark compare with. They start a daemon of their own and stop it; `make run` needs none.
+## A policy-rc.d that denies starts keeps the package's own service from starting on install.
+dockerdeps:
+	@command -v dockerd >/dev/null && command -v containerd >/dev/null || { \
+	  echo "installing docker.io (Debian package; its service is not started)"; \
+	  own=; [ -e /usr/sbin/policy-rc.d ] || { own=1; printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+	    chmod 755 /usr/sbin/policy-rc.d; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	    docker.io >/dev/null; rc=$$?; [ -z "$$own" ] || rm -f /usr/sbin/policy-rc.d; exit $$rc; }
 
 $(VENV)/.installed: pyproject.toml
 	@test -n "$(PY312)" || { echo "Python 3.12 not found: install it (e.g. pyenv install 3.12) and retry"; exit 1; }
@@ -53,7 +64,7 @@ run: sysdeps venv
 	$(VENV)/bin/sandpool run $(RUN_ARGS)
 
 ## The test suite: unit, real bubblewrap sandboxes, the local Kubernetes cluster, integrations.
-test: sysdeps venv cluster-build
+test: sysdeps dockerdeps venv cluster-build
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 	$(VENV)/bin/nox -s nemo_gym-0.4 nemo_gym-0.7
 	$(VENV)/bin/nox -s openhands openhands_app
@@ -62,7 +73,7 @@ cluster-build: venv
 	$(VENV)/bin/python hack/cluster/cluster.py build
 	$(VENV)/bin/python hack/cluster/nodebuild.py
 
-bench: sysdeps venv
+bench: sysdeps dockerdeps venv
 	$(VENV)/bin/python bench/local_strategies.py
 
 clean:

@@ -6,7 +6,8 @@ Sources (skopeo transports, Debian package ``skopeo``)::
     docker-archive:PATH[:REF]          a ``docker save`` / ``podman save`` archive
     oci:PATH[:TAG]                     an OCI image layout directory
     oci-archive:PATH[:TAG]             a tar of an OCI layout
-    docker-daemon:REF                  the local Docker store (needs its socket)
+    docker-daemon:REF                  the local Docker store (its socket: ``$DOCKER_HOST``, else
+                                       /var/run/docker.sock)
     containers-storage:REF             the local Podman store (needs /var/lib/containers/storage)
 
 A bare path is read as ``oci:`` when it is a directory holding ``index.json``, else as
@@ -69,7 +70,7 @@ def normalize_source(source: str) -> tuple[str, str]:
     if transport == "docker":
         return source, rest.removeprefix("//")
     if transport == "docker-daemon":
-        sock = Path(os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock").removeprefix("unix://"))
+        sock = Path(_docker_host().removeprefix("unix://"))
         if not sock.exists():
             raise errors.InputError(f"no Docker daemon here ({sock} does not exist); export the "
                                     "image with `docker save -o x.tar REF` elsewhere and pass docker-archive:x.tar")
@@ -113,7 +114,15 @@ def _run(argv: list[str], what: str) -> bytes:
     return res.stdout
 
 
-def _tls(tls_verify: bool) -> list[str]:
+def _docker_host() -> str:
+    return os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+
+
+def _src_flags(source: str, tls_verify: bool) -> list[str]:
+    """skopeo's flags for reading ``source``: TLS for a registry; for the Docker daemon, the
+    daemon ``DOCKER_HOST`` names (skopeo itself reads only the default socket)."""
+    if source.startswith("docker-daemon:"):
+        return ["--src-daemon-host", _docker_host()]
     return [] if tls_verify else ["--src-tls-verify=false"]
 
 
@@ -300,7 +309,7 @@ def hydrate(source: str, *, name: str | None = None, store: ImageStore | None = 
         try:
             pinned, source_digest = _pin(src, tls_verify)
             layout = work / "layout"
-            _run(["skopeo", "copy", "--quiet", *_tls(tls_verify), pinned, f"oci:{layout}:img"],
+            _run(["skopeo", "copy", "--quiet", *_src_flags(pinned, tls_verify), pinned, f"oci:{layout}:img"],
                  f"skopeo copy {pinned}")
             index = json.loads((layout / "index.json").read_text())
             mdesc = index["manifests"][0]
