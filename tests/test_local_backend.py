@@ -17,7 +17,7 @@ from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, erro
 from sandpool.core.backends.local import LocalBackend, LocalSandbox, reap_stale
 
 from .conftest import CALC_IMAGE
-from .waiting import until
+from .waiting import exec_past_marker, until
 
 
 async def test_no_network(local_backend):
@@ -51,7 +51,9 @@ async def test_no_writes_outside_the_workspace(local_backend, test_images_root, 
 
 async def test_timeout_kills_the_whole_process_group(local_backend):
     sb = await local_backend.create(CALC_IMAGE)
-    res = await sb.exec("sleep 300 & (setsid sleep 301 &); echo started; sleep 302", timeout=1.0)
+    # A timeout from 1 s up, until the command had started its children before it fired.
+    res = await exec_past_marker(sb, "sleep 300 & (setsid sleep 301 &); echo started; sleep 302",
+                                 "started")
     # 124 and the flag (a finished command would be 0; one the agent waited out, no answer
     # before the transport timeout), and nothing left: killed at the timeout, escapee too.
     assert res.timed_out and res.exit_code == 124 and res.text == "started\n"

@@ -11,6 +11,7 @@ import pytest
 from sandpool.core import Outcome, SandboxPool, errors, run_rollout
 
 from .conftest import CALC_IMAGE
+from .waiting import exec_past_marker
 
 
 @pytest.mark.parametrize(("op", "path", "code"), [
@@ -52,8 +53,9 @@ async def test_an_episode_writing_where_it_may_not_is_task_failed_once(test_imag
 async def test_an_env_cleared_double_forked_escapee_dies_with_the_timeout(local_backend):
     sb = await local_backend.create(CALC_IMAGE)
     assert (await sb.exec("sleep 600 & echo older")).ok  # started before: must survive
-    res = await sb.exec("(env -i setsid sh -c 'sleep 301' &); (env -i setsid sleep 302 &); "
-                        "echo forked; sleep 300", timeout=1.0)
+    # A timeout from 1 s up, until the command had forked its escapees before it fired.
+    res = await exec_past_marker(sb, "(env -i setsid sh -c 'sleep 301' &); "
+                                 "(env -i setsid sleep 302 &); echo forked; sleep 300", "forked")
     assert res.timed_out and res.text == "forked\n"
     procs = await sb.processes()
     assert not any("sleep 30" in p for p in procs), procs

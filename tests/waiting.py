@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
-__all__ = ["DEADLINE_S", "until", "wait_until"]
+__all__ = ["DEADLINE_S", "exec_past_marker", "until", "wait_until"]
 
 T = TypeVar("T")
 
@@ -46,3 +46,22 @@ async def until(check: Callable[[], T], what: str, timeout: float = DEADLINE_S,
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         await asyncio.sleep(interval)
     return value
+
+
+async def exec_past_marker(sandbox: Any, cmd: str, marker: str, first: float = 1.0,
+                           limit: float = DEADLINE_S) -> Any:
+    """Run ``cmd`` (it prints ``marker``, then runs past any timeout) under a server-side
+    timeout, until one attempt's output holds ``marker``: the timeout then came after the
+    command reached it. It starts at ``first`` seconds and doubles while the timeout came
+    first (a loaded machine); each attempt's timeout kills what it started. Returns that
+    attempt's ``ExecResult``.
+
+    Raises:
+        AssertionError: Timeouts up to ``limit`` seconds never saw ``marker``.
+    """
+    timeout = first
+    while marker not in (res := await sandbox.exec(cmd, timeout=timeout)).text:
+        if timeout >= limit:
+            raise AssertionError(f"{cmd!r} never printed {marker!r} before a {timeout:.0f} s timeout")
+        timeout *= 2
+    return res
