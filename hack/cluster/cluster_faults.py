@@ -13,14 +13,23 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 __all__ = ["kill", "restart", "start"]
 
-# The components started here outlive their Popen's caller (``cluster.py down`` stops them): a
-# Popen collected while its process runs warns, so each is kept for the process's lifetime.
-_STARTED: list[subprocess.Popen[bytes]] = []
+# Starts a component in a session of its own and prints its pid, then exits: the component
+# is then the cluster's (as those ``cluster.py up`` starts), not a child of the caller, which
+# would otherwise have to wait for it (``cluster.py down`` stops it, from another process).
+_LAUNCH = (
+    "import json, subprocess, sys\n"
+    "a = json.loads(sys.argv[1])\n"
+    "with open(a['log'], 'ab') as log:\n"
+    "    p = subprocess.Popen(a['argv'], stdin=subprocess.DEVNULL, stdout=log, stderr=log,\n"
+    "                         cwd=a['cwd'], env=a['env'], start_new_session=True)\n"
+    "print(p.pid)\n"
+)
 
 
 def _state_path(run_dir: Path) -> Path:
@@ -62,17 +71,20 @@ def kill(run_dir: Path, name: str) -> None:
 def start(run_dir: Path, name: str, extra: tuple[str, ...] = (), drop: tuple[str, ...] = ()) -> None:
     """Start component ``name`` again with the flags and environment it last ran with
     (+ ``extra``, flags starting with any of ``drop`` removed); ``state.json`` gets the new
-    pid and argv, so ``cluster.py down`` stops it."""
+    pid and argv, so ``cluster.py down`` stops it. The component is not the caller's child.
+
+    Raises:
+        subprocess.CalledProcessError: It could not be started.
+    """
     state = json.loads(_state_path(run_dir).read_text())
     proc = state["processes"][_component(state, name)]
     argv = [a for a in proc["argv"] if not a.startswith(drop)] if drop else list(proc["argv"])
     argv += list(extra)
-    with open(proc["log"], "ab") as log:
-        p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             cwd=run_dir, env=dict(os.environ, **proc.get("env", {})),
-                             start_new_session=True)
-    _STARTED.append(p)
-    proc["pid"], proc["argv"] = p.pid, argv
+    spec = {"argv": argv, "log": proc["log"], "cwd": str(run_dir),
+            "env": dict(os.environ, **proc.get("env", {}))}
+    launched = subprocess.run([sys.executable, "-c", _LAUNCH, json.dumps(spec)], check=True,
+                              capture_output=True, text=True)
+    proc["pid"], proc["argv"] = int(launched.stdout), argv
     _state_path(run_dir).write_text(json.dumps(state, indent=2))
 
 
