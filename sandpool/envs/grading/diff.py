@@ -41,7 +41,7 @@ from sandpool.core.reset import SAFE_GIT
 from sandpool.core.task import Task
 from sandpool.core.telemetry import traced
 from sandpool.envs.grading.harness import TestPlan, plan_for
-from sandpool.envs.grading.policy import MAX_PATCH_BYTES, check_patch
+from sandpool.envs.grading.policy import MAX_PATCH_BYTES, check_patch, counted_as_tests
 from sandpool.envs.grading.pytest_log import pytest_env
 from sandpool.envs.grading.verdict import MAX_LOG_BYTES, GradeResult, score_run, unresolved
 
@@ -79,7 +79,8 @@ def _pytest_argv(command: str) -> tuple[list[str], bool, dict[str, str]] | None:
     return None
 
 
-def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: list[str]) -> str:
+def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: list[str],
+                    test_dirs: list[str]) -> str:
     """Apply the patch, reset the test files, apply the test patch, find Python, keep the
     harness's environment.
 
@@ -101,9 +102,11 @@ def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: l
             f"tail -c 2000 {d}/apply.log; GIT_INDEX_FILE={d}/base.index {SAFE_GIT} read-tree {base} && "
             f"GIT_INDEX_FILE={d}/base.index {SAFE_GIT} apply --check --cached {d}/test.patch "
             f">/dev/null 2>&1 && echo 'applies to base' ; exit {_TEST_PATCH_FAILED}; }}")
-    # What each test module and conftest.py holds before any of the repo's code runs.
+    # What each test module, conftest.py and Python file under the tests' directories holds
+    # before any of the repo's code runs.
+    dirs = " ".join(f"-o -path {shlex.quote('./' + t + '*')} -name '*.py'" for t in test_dirs)
     lines.append(f"find . -path ./.git -prune -o -type f \\( -name 'test_*.py' -o -name '*_test.py' "
-                 f"-o -name conftest.py \\) -print0 | xargs -0 -r sha256sum -- > {d}/tests.sha256")
+                 f"-o -name conftest.py {dirs} \\) -print0 | xargs -0 -r sha256sum -- > {d}/tests.sha256")
     lines += [
         _FIND_PYTHON,
         f'[ -n "$PY" ] || {{ echo "no python3 or python on PATH=$PATH"; exit {_NO_PYTHON}; }}',
@@ -196,7 +199,9 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
         await sandbox.write_file(f"{d}/patch.diff", verdict.patch.encode("utf-8", "surrogateescape"))
     if plan.test_patch:
         await sandbox.write_file(f"{d}/test.patch", plan.test_patch.encode())
-    prep = await sandbox.exec(_prepare_script(task, plan, d, patch=bool(verdict.patch), files=files),
+    test_dirs = sorted(t for t in counted_as_tests(task, plan) if t.endswith("/"))
+    prep = await sandbox.exec(_prepare_script(task, plan, d, patch=bool(verdict.patch), files=files,
+                                              test_dirs=test_dirs),
                               timeout=300.0, cwd="/", max_output=1 << 20)
     out = (prep.text + prep.err_text).strip()
     if prep.timed_out:

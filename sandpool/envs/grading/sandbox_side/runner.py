@@ -32,7 +32,7 @@ exit status is pytest's.
 
 The job (JSON): ``workdir``, ``args`` (pytest's arguments), ``cwd_on_path`` (bool), ``key``
 (the key file), ``report`` (the report file), ``hashes`` (``sha256sum`` lines of every test
-module and ``conftest.py``, taken before the run), ``plugin`` (the verdict plugin's module name,
+module, ``conftest.py`` and Python file under the tests' directories, taken before the run), ``plugin`` (the verdict plugin's module name,
 in this directory), ``env_file`` (the harness's environment, NUL-separated: its ``PYTHON*``
 variables are restored in ``os.environ`` for the tests' own child processes, and its
 ``PYTHONPATH`` is added to ``sys.path`` as said above), ``assigned`` (``VAR=value`` words
@@ -122,6 +122,32 @@ def verify_test_sources(rewrite, plugin, job, workdir):
         return stat, compile(tree, path, "exec", dont_inherit=True)
 
     rewrite._rewrite_test = _rewrite_test
+    verify_module_sources(hashes, plugin)
+
+
+def verify_module_sources(hashes, plugin):
+    """The same check for modules pytest does not rewrite (the tests' helpers and data
+    modules): their source is checked as Python reads it, and their bytecode never read."""
+    from importlib import machinery, util
+
+    original = machinery.SourceFileLoader.get_data
+
+    def get_data(self, path):
+        if path.endswith(".pyc"):
+            try:
+                source = os.path.realpath(util.source_from_cache(path))
+            except ValueError:
+                source = None
+            if source in hashes:  # compile the checked source instead
+                raise OSError("no bytecode for %s" % source)
+            return original(self, path)
+        data = original(self, path)
+        want = hashes.get(os.path.realpath(path))
+        if want is not None and hashlib.sha256(data).hexdigest() != want:
+            plugin.tampered("test source %s changed on disk during the run" % path)
+        return data
+
+    machinery.SourceFileLoader.get_data = get_data
 
 
 def main(argv):

@@ -56,7 +56,7 @@ def arm(key, report_path):
 _MACHINERY = ("pytest", "_pytest.python", "_pytest.runner", "_pytest.reports", "_pytest.main",
               "_pytest.nodes", "_pytest.fixtures", "_pytest.outcomes", "_pytest.unittest",
               "_pytest.skipping", "_pytest.python_api", "_pytest.raises", "_pytest.recwarn",
-              "_pytest.assertion.rewrite", "unittest.case")
+              "_pytest.assertion.rewrite", "unittest.case", "importlib._bootstrap_external")
 
 
 def _watched():
