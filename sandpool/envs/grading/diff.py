@@ -123,8 +123,8 @@ def _clean_env(d: str) -> str:
     # sys.path at start-up), plus grading's own; SANDPOOL_EXEC lets the agent find the run.
     ours = " ".join(f"{k}={shlex.quote(v)}" for k, v in {
         **pytest_env(), "PYTHONNOUSERSITE": "1"}.items())
-    return (f"mapfile -d '' -t E < {d}/env.clean && "
-            f"env -i \"${{E[@]}}\" SANDPOOL_EXEC=\"${{SANDPOOL_EXEC:-}}\" {ours}")
+    return (f"E=(); while IFS= read -r -d '' kv; do E+=(\"$kv\"); done < {d}/env.clean; "
+            f"exec env -i \"${{E[@]}}\" SANDPOOL_EXEC=\"${{SANDPOOL_EXEC:-}}\" {ours}")
 
 
 def _test_script(task: Task, plan: TestPlan, d: str, python: str, *, isolated: bool, module: str) -> str:
