@@ -11,6 +11,7 @@ import abc
 import enum
 from dataclasses import dataclass
 
+from sandpool.core.rate import AdaptiveRate
 from sandpool.core.telemetry import NO_METRICS, Telemetry
 
 __all__ = [
@@ -322,3 +323,9 @@ class Backend(abc.ABC):
     def api_writes(self) -> int:
         """Number of write requests this backend sent to a control plane (0 for local)."""
         return 0
+
+    @property
+    def write_rates(self) -> dict[str, AdaptiveRate]:
+        """The write bucket of each cluster this backend talks to, by cluster name (none for
+        a backend without a control plane)."""
+        return {}

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, computed_field
 
+from sandpool.core.rate import RateTrace
+
 __all__ = [
     "Outcome",
     "PoolCounters",
@@ -193,7 +195,7 @@ class Report(BaseModel):
 
     ``failures`` counts every outcome, ``rejected`` included; ``workload.rollouts`` is what the
     run was asked for, so ``unaccounted`` (requested minus the sum of ``failures``) is 0 after
-    a run that lost nothing.
+    a run that lost nothing. ``write_rates`` is each cluster's write rate over the run.
     """
 
     workload: Workload
@@ -210,6 +212,7 @@ class Report(BaseModel):
     rejected: list[RejectedTask] = Field(default_factory=list)
     rollouts: list[RolloutResult] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
+    write_rates: list[RateTrace] = Field(default_factory=list)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -235,6 +238,7 @@ class Report(BaseModel):
             f"  sandboxes    created {self.sandboxes_created}, warm hits {self.pool.warm_hits}/"
             f"{self.pool.claims} claims, evicted {self.pool.evicted}, lost {self.pool.lost}",
             f"  k8s writes   {self.api_writes}",
+            *(f"  write rate   {r.describe()}" for r in self.write_rates),
             f"  resets       {self.resets} ok, {self.quarantines} quarantined"
             + (f" (mean {ms(self.pool.reset_total_s / n_resets)}, max {ms(self.pool.reset_max_s)})"
                if (n_resets := self.resets + self.quarantines) else ""),

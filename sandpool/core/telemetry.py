@@ -35,11 +35,16 @@ series                                     type       labels (besides backend, s
 ``sandpool_kube_api_retries_total``        counter    ``status`` (``429``, ``5xx``, ``connection``)
 ``sandpool_kube_exec_fallbacks_total``     counter    ``reason`` (``agent_unavailable``, ``agent_off``):
                                                       sandboxes whose commands each open a pod exec
+``sandpool_kube_write_rate``               gauge      ``cluster``: the cluster's write rate now, per s
+                                                      (no backend/strategy; :mod:`sandpool.core.rate`)
+``sandpool_kube_write_back_offs_total``    counter    ``cluster``, ``cause`` (``429``, ``5xx``,
+                                                      ``connection``, ``slow``)
 =========================================  =========  ==================================================
 
 ``quarantined`` in ``sandpool_sandboxes`` counts sandboxes removed after a failed reset whose
 delete is still in flight. ``image`` is bounded by the task set, as the pool keeps one warm
-pool per image.
+pool per image, and ``cluster`` by the clusters a pool's backend was given. Scraped over a
+run, ``sandpool_kube_write_rate`` is the rate over time.
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from opentelemetry import trace
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from sandpool.core.pool import SandboxPool
@@ -119,6 +124,7 @@ class PoolMetrics:
                                       ("reason",), registry=r)
         self._pools: weakref.WeakSet[SandboxPool] = weakref.WeakSet()
         r.register(_PoolSizes(self._pools))
+        r.register(_WriteRates(self._pools))
         self._server: Any = None
 
     def attach(self, pool: SandboxPool) -> None:
@@ -172,6 +178,36 @@ class _PoolSizes:
             g.add_metric(key, n)
         yield g
 
+
+class _WriteRates:
+    """Collector of each cluster's write rate and back-offs, read from the live pools'
+    backends at scrape time."""
+
+    def __init__(self, pools: weakref.WeakSet[SandboxPool]) -> None:
+        self._pools = pools
+
+    def describe(self) -> list[Any]:
+        return [GaugeMetricFamily("sandpool_kube_write_rate", _RATE_HELP, labels=("cluster",)),
+                CounterMetricFamily("sandpool_kube_write_back_offs", _BACK_OFF_HELP,
+                                    labels=("cluster", "cause"))]
+
+    def collect(self) -> Iterator[Any]:
+        rate = GaugeMetricFamily("sandpool_kube_write_rate", _RATE_HELP, labels=("cluster",))
+        back = CounterMetricFamily("sandpool_kube_write_back_offs", _BACK_OFF_HELP,
+                                   labels=("cluster", "cause"))
+        seen: dict[str, Any] = {}
+        for pool in list(self._pools):
+            seen.update(pool.backend.write_rates)
+        for name, r in sorted(seen.items()):
+            rate.add_metric((name,), r.rate)
+            for cause, n in sorted(r.back_offs.items()):
+                back.add_metric((name, cause), n)
+        yield rate
+        yield back
+
+
+_RATE_HELP = "A cluster's adaptive write rate now, writes per second"
+_BACK_OFF_HELP = "Back-offs of a cluster's write rate, by cause"
 
 _BY_REGISTRY: weakref.WeakKeyDictionary[CollectorRegistry, PoolMetrics] = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()

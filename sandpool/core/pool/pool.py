@@ -409,4 +409,5 @@ class SandboxPool:
             pool=self.counters.model_copy(deep=True),
             rejected=rejected or [],
             rollouts=results,
+            write_rates=[r.trace() for r in self.backend.write_rates.values()],
         )

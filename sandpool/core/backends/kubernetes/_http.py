@@ -4,7 +4,9 @@ kubernetes_asyncio loads the kubeconfig (TLS client certificates, bearer tokens,
 plugins) and builds the TLS session; requests go straight over that session so that
 throttling, retries and error translation sit in one place:
 
-* writes (POST/PUT/PATCH/DELETE) pass a client-side token bucket (``qps``, ``burst``);
+* writes (POST/PUT/PATCH/DELETE) pass the cluster's write bucket, whose rate adapts to the
+  cluster's answers (:class:`~sandpool.core.rate.AdaptiveRate`: 429, ``Retry-After``, 5xx,
+  refused connections and slow writes back it off; fast writes bring it back to ``qps``);
 * every REST request holds one of ``max_inflight`` slots (watches and exec streams do not);
 * 429, 5xx and connection errors are retried with exponential backoff and jitter, and a
   ``Retry-After`` header sets the wait; after ``retries`` retries the error is raised;
@@ -22,11 +24,10 @@ from typing import Any
 from urllib.parse import urlencode
 
 import aiohttp
-from aiolimiter import AsyncLimiter
-
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes._errors import RETRY_STATUSES, Channel, for_status, translate
 from sandpool.core.backends.kubernetes._kubeconfig import load_api_client
+from sandpool.core.rate import AdaptiveRate, RateControl
 from sandpool.core.telemetry import NO_METRICS, Telemetry
 
 __all__ = ["KubeHttp", "Throttle", "backoff_delay", "parse_retry_after"]
@@ -58,23 +59,29 @@ def backoff_delay(
 
 
 class Throttle:
-    """Client-side bounds on API traffic: a write token bucket and an in-flight cap.
+    """Client-side bounds on one cluster's API traffic: a write bucket and an in-flight cap.
 
     Usage: ``async with throttle.slot(write=True): ...`` around one request.
 
     Args:
-        qps: Sustained writes per second.
-        burst: Writes allowed back to back (bucket size).
+        qps: Writes per second at the start, and the most the adaptive rate climbs back to.
+        burst: Writes allowed back to back at ``qps`` (bucket size).
         max_inflight: Requests in flight at once (reads and writes).
+        adaptive: Let the write rate follow the cluster's answers (:mod:`sandpool.core.rate`);
+            False keeps ``qps`` fixed.
+        cluster: The cluster's name in reports and metrics ("": the API server's host, set
+            when the client opens).
     """
 
-    def __init__(self, qps: float, burst: int, max_inflight: int) -> None:
+    def __init__(self, qps: float, burst: int, max_inflight: int, *, adaptive: bool = True,
+                 cluster: str = "") -> None:
         if qps <= 0 or burst < 1 or max_inflight < 1:
             raise errors.ConfigError(
                 f"qps={qps}, burst={burst}, max_inflight={max_inflight}: all must be positive"
             )
         self.qps, self.burst, self.max_inflight = qps, burst, max_inflight
-        self._bucket = AsyncLimiter(burst, burst / qps)
+        self.rate = AdaptiveRate(RateControl(qps, burst, adaptive=adaptive,
+                                             min_rate=min(0.5, qps)), cluster=cluster)
         self._inflight = asyncio.Semaphore(max_inflight)
         self.inflight_peak = 0
         self._inflight_now = 0
@@ -90,7 +97,7 @@ class _Slot:
 
     async def __aenter__(self) -> None:
         if self._write:
-            await self._t._bucket.acquire()
+            await self._t.rate.acquire()
         await self._t._inflight.acquire()
         self._t._inflight_now += 1
         self._t.inflight_peak = max(self._t.inflight_peak, self._t._inflight_now)
@@ -180,6 +187,8 @@ class KubeHttp:
             async with self._open_lock:
                 if self.api_client is None:
                     self.api_client = await load_api_client(self.kubeconfig)
+        if not self.throttle.rate.cluster:
+            self.throttle.rate.cluster = self.host.split("://", 1)[-1]
 
     async def aclose(self) -> None:
         """Close the client's connections; idempotent."""
@@ -238,9 +247,10 @@ class KubeHttp:
         what = f"{method} {path}"
         data = json.dumps(body) if body is not None else None
         attempt = 0
+        loop = asyncio.get_running_loop()
         while True:
             attempt += 1
-            retry_after = status = None
+            retry_after = status = sent = None
             try:
                 async with self.throttle.slot(write=write):
                     if write:
@@ -252,6 +262,7 @@ class KubeHttp:
                     headers = await self.headers()
                     if data is not None:
                         headers["Content-Type"] = content_type
+                    sent = loop.time()
                     async with self.session.request(
                         method,
                         self.url(path, query),
@@ -262,6 +273,7 @@ class KubeHttp:
                         text = await resp.text()
                         status = resp.status
                         retry_after = parse_retry_after(resp.headers.get("Retry-After"))
+                self._answered(write, status, loop.time() - sent, retry_after)
                 if status < 400:
                     return json.loads(text) if text else {}
                 if status == 404 and ok_missing:
@@ -277,6 +289,8 @@ class KubeHttp:
                 TimeoutError,
                 OSError,
             ) as exc:
+                if sent is not None:
+                    self._answered(write, None, loop.time() - sent, None)
                 if attempt > self.retries:
                     raise translate(exc, what) from exc
             except errors.SandpoolError:
@@ -286,6 +300,15 @@ class KubeHttp:
             self.retried += 1
             self.telemetry.api_retry(status)
             await asyncio.sleep(backoff_delay(attempt, retry_after=retry_after))
+
+    def _answered(self, write: bool, status: int | None, seconds: float,
+                  retry_after: float | None) -> None:
+        """Tell the write bucket how the cluster answered: every 429, ``Retry-After``, 5xx or
+        lost connection; a write's latency (slow or fast). A read's latency says nothing of
+        the write budget (a large list is slow on a healthy server)."""
+        if write or status is None or status == 429 or status >= 500:
+            self.throttle.rate.answered(asyncio.get_running_loop().time(), status, seconds,
+                                        retry_after=retry_after)
 
     async def watch(self, path: str, query: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """Yield watch events (``{"type", "object"}``) from one watch request until it ends.
@@ -382,9 +405,11 @@ class KubeHttp:
                 return ws
             except aiohttp.WSServerHandshakeError as exc:
                 status = exc.status
+                retry_after = parse_retry_after((exc.headers or {}).get("Retry-After"))
+                if status == 429:  # a 5xx here is the node's (kubelet unreachable), not the API's
+                    self._answered(False, status, 0.0, retry_after)
                 if status not in RETRY_STATUSES or attempt > self.retries:
                     raise _after(translate(exc, what, channel=Channel.EXEC), attempt) from exc
-                retry_after = parse_retry_after((exc.headers or {}).get("Retry-After"))
             except (aiohttp.ClientConnectionError, OSError) as exc:
                 if attempt > self.retries:
                     raise _after(translate(exc, what, channel=Channel.EXEC), attempt) from exc

@@ -42,6 +42,7 @@ from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._service import PodService
 from sandpool.core.backends.kubernetes._watch import Informer
 from sandpool.core.base import Backend, Sandbox
+from sandpool.core.rate import AdaptiveRate
 from sandpool.core.telemetry import Telemetry
 
 __all__ = ["ImageMap", "KubernetesBackend", "KubernetesSandbox", "PodService", "gc"]
@@ -66,8 +67,14 @@ class KubernetesBackend(Backend):
         mode: ``"agent-sandbox"`` (templates, warm pools, claims) or ``"pods"`` (a plain Pod
             per sandbox).
         run_id: Label value put on everything created (default: 8 random hex digits).
-        qps: Client-side sustained write requests per second.
-        burst: Writes allowed back to back.
+        qps: Client-side write requests per second: the start, and the most the adaptive
+            rate climbs back to (see ``adaptive_rate``).
+        burst: Writes allowed back to back at ``qps``.
+        adaptive_rate: Let the write rate follow this cluster's answers: 429, ``Retry-After``,
+            5xx, lost connections and writes slower than 1 s back it off, fast writes bring it
+            back (:mod:`sandpool.core.rate`). False keeps ``qps`` fixed.
+        cluster: The cluster's name in reports and metrics (default: the API server's
+            host:port).
         max_inflight: REST requests in flight at once (watches and exec streams excluded).
         runtime_class: ``runtimeClassName`` of the pods (e.g. ``"gvisor"``), or None.
         node_selector: ``nodeSelector`` of the pods.
@@ -130,6 +137,8 @@ class KubernetesBackend(Backend):
         run_id: str | None = None,
         qps: float = 50.0,
         burst: int = 100,
+        adaptive_rate: bool = True,
+        cluster: str | None = None,
         max_inflight: int = 64,
         runtime_class: str | None = None,
         node_selector: Mapping[str, str] | None = None,
@@ -164,7 +173,8 @@ class KubernetesBackend(Backend):
         self.namespace = ns = namespace
         self.mode = mode
         self.run_id = run = m.check_run_id(run_id) if run_id is not None else uuid.uuid4().hex[:8]
-        self.throttle = Throttle(qps, burst, max_inflight)
+        self.throttle = Throttle(qps, burst, max_inflight, adaptive=adaptive_rate,
+                                 cluster=cluster or "")
         self._http = http = KubeHttp(None, self.throttle, kubeconfig=self.kubeconfig,
                                      retries=api_retries)
         self._images = images = PodImages(
@@ -227,6 +237,11 @@ class KubernetesBackend(Backend):
     def api_writes(self) -> int:
         """Write requests (POST/PUT/PATCH/DELETE, every attempt) this backend sent."""
         return self._http.writes
+
+    @property
+    def write_rates(self) -> dict[str, AdaptiveRate]:
+        """This cluster's write bucket, by the cluster's name."""
+        return {self.throttle.rate.cluster: self.throttle.rate}
 
     @property
     def presessions_adopted(self) -> int:
