@@ -148,6 +148,14 @@ async def test_a_swe_smith_task_grades_with_its_harness_gold_one_empty_zero(loca
     gold = await grade(sb, task, timeout=120)
     assert (gold.reward, gold.tampering) == (1.0, ()), gold.log[-1500:]
     assert "--verbose" in gold.log or "PASSED" in gold.log
+    # Diff grading runs the harness's console-script pytest isolated: the same verdicts.
+    from sandpool.envs.grading.diff import grade_patch
+
+    for patch, reward in ((task.patch, 1.0), ("", 0.0)):
+        pristine = await local_backend.create(task.image)
+        assert (await pristine.exec(f"git checkout -q {task.base_commit}", timeout=30)).ok
+        result = await grade_patch(pristine, task, patch, timeout=120)
+        assert (result.harness, result.reward, result.tampering) == ("swe-smith", reward, ()), result.log[-1500:]
 
 
 def test_a_swebench_row_for_a_repo_swebench_does_not_know_is_a_broken_task(calc_task):
