@@ -1,12 +1,55 @@
-"""Failure accounting for one rollout: it ends completed, infra_failed, task_failed or rejected.
+"""The one rollout accountant: claim -> episode -> grade -> outcome, reward, record, reuse.
 
-Which of these an error gives is decided by :func:`sandpool.core.classify.classify`, never here.
+:func:`~sandpool.core.classify.classify` says whose a failure is; this module turns that, or
+a grader's :class:`Score`, into the rollout's outcome, its reward, its
+:class:`~sandpool.core.metrics.RolloutResult`, its count in the pool's telemetry and what
+becomes of its sandbox. The runner, Gymnasium, NeMo Gym and OpenHands are adapters over it,
+so one event has one outcome everywhere:
+
+========================================================  ================  =======
+what happened                                             outcome           reward
+========================================================  ================  =======
+the grader scored the submission                          ``completed``     score
+its :attr:`Score.failure` (suspected tampering, a         ``task_failed``   0.0
+refused patch, its code broke the test run)
+the policy's error (``TaskError``: its own exception, its ``task_failed``   0.0
+processes killed or starved the sandbox, a file errno it
+left unhandled) while it acts or its change is captured
+infra (``InfraError``, a host ``OSError``, an error       ``infra_failed``  None
+sandpool does not know), after the retries below
+the input's (``InputError``: a bad row, an unknown        ``rejected``      None
+image, a base commit not in it, a broken task)
+========================================================  ================  =======
+
+* Retries, all on infra only: the claim and its first command, up to ``claim_retries``; a
+  one-shot episode, run again on a fresh claim, up to ``retries`` (a step-driven one cannot
+  be re-run: it ends); the scoring, of the same patch on another pristine sandbox, up to
+  ``grade_retries`` (the policy is never re-run for it).
+* A file errno on the policy's path in one guarded action (:meth:`Rollout.action`) ends
+  nothing: it is a result the policy sees.
+* ``FatalError`` (backend unusable, pool closed) and interrupts are raised, not recorded.
+
+Never is an infra event a reward, and never is a policy failure dropped. A sandbox that ended
+on an infra error of its own, died, or saw an error sandpool does not know is deleted; any
+other goes back to the pool, whose in-place reset verifies it.
+
+Grading, once for every adapter: :meth:`Grader.capture` takes the policy's change as a patch
+(a value), :meth:`Lease.reset <sandpool.core.pool.Lease.reset>` makes the sandbox pristine
+(reset in place and verified, or swapped for a fresh one), :meth:`Grader.score` scores the
+patch there. A sandbox that failed under the policy (``Lease.broken``) is never graded.
+
+:func:`run_rollout` runs a one-shot episode; a step-driven caller (reset/step, seed/verify)
+holds a :class:`Rollout`: :meth:`~Rollout.claim`, :meth:`~Rollout.action` around each policy
+action, then :meth:`~Rollout.finish` or :meth:`~Rollout.fail`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 from sandpool.core import errors
 from sandpool.core.classify import Verdict, classify, error_kind
@@ -15,11 +58,353 @@ from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
 from sandpool.core.telemetry import Telemetry
 
-__all__ = ["Episode", "run_rollout"]
+__all__ = ["Episode", "Grader", "Rollout", "Score", "ends_rollout", "repeat_result", "run_rollout",
+           "unrun_result"]
 
-#: An episode: given a leased sandbox, act in it and return the reward (1.0 resolved, 0.0 not).
-#: Raise :class:`~sandpool.core.errors.TaskError` for the policy's own failure.
-Episode = Callable[[Lease], Awaitable[float]]
+#: A one-shot episode: the policy acts in the leased sandbox (raising ``TaskError`` for its own
+#: failure). With a grader, the grader scores what it did; without one, it returns the reward.
+Episode = Callable[[Lease], Awaitable[float | None]]
+
+_PROBE = "git rev-parse HEAD"  # the first command: ends TTFC, proves the repo is at base
+_PROBE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Score:
+    """What a grader says about one submission.
+
+    Attributes:
+        reward: 0.0 .. 1.0 (1.0 resolved).
+        failure: Set when the submission broke the rules or its grading (suspected tampering,
+            a refused patch, its code broke the test run): the rollout is ``task_failed``,
+            reward 0, and this reason is kept.
+        kind: The error kind reported for ``failure`` (``"tampering_suspected"``,
+            ``"patch_policy"``, ``"grading"``).
+        detail: The grader's full result, for callers that show it.
+    """
+
+    reward: float
+    failure: str | None = None
+    kind: str | None = None
+    detail: object = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.reward <= 1.0:
+            raise ValueError(f"Score.reward={self.reward}: must be within 0.0 .. 1.0")
+
+
+class Grader(Protocol):
+    """Grades a rollout's submission: the policy's change, scored on a pristine sandbox.
+
+    ``capture(lease, task)`` returns the policy's change to the repo as a patch (bounded),
+    raising ``TaskError`` when it cannot be taken as the policy left it (e.g. oversized).
+    ``score(sandbox, task, patch)`` scores it on ``sandbox``, verified pristine at
+    ``task.base_commit``, raising ``BrokenTaskError`` when the task cannot be graded as given.
+    Either raises ``InfraError`` when the sandbox fails.
+    """
+
+    async def capture(self, lease: Lease, task: Task) -> bytes: ...
+
+    async def score(self, sandbox: Lease, task: Task, patch: bytes) -> Score: ...
+
+
+def ends_rollout(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by one policy action, ends the rollout.
+
+    A file errno on the policy's path (:class:`~sandpool.core.errors.SandboxFileError`) is a
+    result the policy sees, and the rollout goes on; anything else ends it.
+    """
+    return not isinstance(exc, errors.SandboxFileError)
+
+
+def unrun_result(task_id: str, exc: Exception, *, rollout: int = 0, row: int | None = None,
+                 telemetry: Telemetry | None = None) -> RolloutResult:
+    """The record of a rollout that never claimed a sandbox: its row was bad, or its task's
+    image could not be had (``rejected`` or ``infra_failed`` as :func:`classify` says).
+
+    Raises:
+        FatalError: ``exc`` itself, when it is fatal.
+    """
+    verdict = classify(exc)
+    if verdict is Verdict.FATAL:
+        raise exc
+    outcome = verdict.outcome
+    assert outcome is not None and not verdict.scored  # nothing ran: nothing to score
+    if telemetry is not None:
+        telemetry.rollout_done(outcome.value)
+    return RolloutResult(task_id=task_id, rollout=rollout, outcome=outcome, attempts=0,
+                         error_kind=error_kind(exc), error=str(exc), row=row)
+
+
+def repeat_result(first: RolloutResult, rollout: int, *, telemetry: Telemetry | None = None) -> RolloutResult:
+    """The record of another rollout of a task an earlier one found ``rejected``: the same
+    outcome and reason, without running it."""
+    if first.outcome is not Outcome.REJECTED:
+        raise ValueError(f"only a rejected task's rollouts are repeated, not {first.outcome.value}")
+    if telemetry is not None:
+        telemetry.rollout_done(first.outcome.value)
+    return first.model_copy(update={"rollout": rollout, "policy": None, "attempts": 0,
+                                    "sandbox_id": None, "duration_s": 0.0, "ttfc_s": None})
+
+
+class Rollout:
+    """The accountant of one rollout of ``task`` on ``pool`` (see the module docstring).
+
+    Usage::
+
+        r = Rollout(pool, task, grader=grader, on_result=results.append)
+        lease = await r.claim()              # if no sandbox: recorded, then raised
+        async with r.action() as lease:      # each policy action
+            res = await lease.exec(command, timeout=30)
+        result = await r.finish()            # capture, reset, score, record, release
+
+    Args:
+        pool: An open pool.
+        task: The task.
+        grader: Scores the submission (:meth:`finish`); ``None`` only for one-shot
+            episodes that return their reward.
+        rollout: Index of this rollout among the task's rollouts.
+        policy: Policy name, for the record.
+        claim_retries: Extra claims after an infra failure before the policy acts.
+        grade_retries: Extra scorings of the same patch after an infra failure.
+        on_result: Called with the record when the rollout ends.
+
+    Attributes:
+        lease: The claimed sandbox while the rollout runs.
+        result: The record, once the rollout ended.
+        score: The grader's :class:`Score`, once scored.
+        error: The error that ended the rollout, if one did.
+    """
+
+    def __init__(self, pool: SandboxPool, task: Task, *, grader: Grader | None = None, rollout: int = 0,
+                 policy: str | None = None, claim_retries: int = 2, grade_retries: int = 2,
+                 on_result: Callable[[RolloutResult], None] | None = None) -> None:
+        self.pool, self.task, self.grader = pool, task, grader
+        self.rollout, self.policy = rollout, policy
+        self.claim_retries, self.grade_retries = claim_retries, grade_retries
+        self.on_result = on_result
+        self.lease: Lease | None = None
+        self.result: RolloutResult | None = None
+        self.score: Score | None = None
+        self.error: Exception | None = None
+        self.attempts = 0
+        self._t0 = time.monotonic()
+        self._acted: Lease | None = None  # the lease the policy acted in (its TTFC)
+        self._sandbox_id: str | None = None  # the sandbox it acted in (a reset may swap it)
+        self._abandoned = False
+
+    def __repr__(self) -> str:
+        state = self.result.outcome.value if self.result else ("abandoned" if self._abandoned else "running")
+        return f"<Rollout {self.task.instance_id}#{self.rollout} {state} lease={self.lease}>"
+
+    @property
+    def ended(self) -> bool:
+        """True once the rollout is recorded (or abandoned)."""
+        return self.result is not None or self._abandoned
+
+    async def claim(self, *, probe: bool = True) -> Lease:
+        """Claim a sandbox; with ``probe``, run the first command (TTFC), which must find the
+        repo at ``task.base_commit``. Infra failures are retried up to ``claim_retries`` times.
+
+        Raises:
+            InfraError: Every claim failed (recorded ``infra_failed``).
+            InputError: The task cannot run (recorded ``rejected``).
+            FatalError: The pool or backend cannot run sandboxes.
+        """
+        if self.ended:
+            raise errors.PoolClosed(f"{self!r} has ended; start a new Rollout")
+        while True:
+            self.attempts += 1
+            try:
+                self.lease = self._acted = await self.pool.acquire(self.task)
+                self._sandbox_id = self.lease.id
+                if probe:
+                    res = await self.lease.exec(_PROBE, timeout=_PROBE_TIMEOUT_S)
+                    if not res.ok or res.text.strip() != self.task.base_commit:
+                        raise errors.SandboxStartError(
+                            f"sandbox {self.lease.id} is not at {self.task.base_commit[:12]} after its "
+                            f"claim (git says {(res.text or res.err_text).strip()[:80]!r})")
+                return self.lease
+            except Exception as exc:
+                if classify(exc) is Verdict.INFRA and self.attempts <= self.claim_retries:
+                    await self._drop_attempt(exc)
+                    continue
+                await self.fail(exc)
+                raise
+            except BaseException:
+                await self.abandon(reusable=False)
+                raise
+
+    @contextlib.asynccontextmanager
+    async def action(self) -> AsyncIterator[Lease]:
+        """Guard one policy action on the lease.
+
+        An error that :func:`ends_rollout` ends the rollout as :meth:`fail` does and is
+        re-raised; a file errno on the policy's path is re-raised and the rollout goes on.
+        An interrupt abandons the rollout and deletes its sandbox (it may still run the
+        command).
+
+        Raises:
+            PoolClosed: The rollout ended or was never claimed.
+        """
+        lease = self._active()
+        try:
+            yield lease
+        except Exception as exc:
+            if ends_rollout(exc):
+                await self.fail(exc)
+            raise
+        except BaseException:
+            await self.abandon(reusable=False)
+            raise
+
+    async def finish(self) -> RolloutResult:
+        """End the episode: capture the policy's change, reset the sandbox (verified, or swapped
+        for a pristine one), score the change there, record, release.
+
+        Returns:
+            The record (also in :attr:`result`; the grader's score in :attr:`score`).
+
+        Raises:
+            FatalError: The pool or backend cannot run sandboxes (not recorded).
+            PoolClosed: The rollout ended or was never claimed.
+        """
+        lease = self._active()
+        if self.grader is None:
+            raise errors.ConfigError("Rollout.finish needs a grader: pass Rollout(..., grader=...)")
+        if lease.broken is not None:  # a sandbox that failed under the policy is never graded
+            return await self.fail(lease.broken)
+        try:
+            patch = await self.grader.capture(lease, self.task)
+        except Exception as exc:
+            return await self.fail(exc)
+        except BaseException:
+            await self.abandon(reusable=False)
+            raise
+        return await self._score(patch)
+
+    async def fail(self, exc: Exception) -> RolloutResult:
+        """End the rollout on ``exc`` as :func:`classify` places it (see the module table).
+
+        Returns:
+            The record.
+
+        Raises:
+            FatalError: ``exc`` itself, when it is fatal (the sandbox is released, nothing
+                recorded).
+        """
+        if self.result is not None:  # one rollout, one record
+            return self.result
+        verdict = classify(exc)
+        if verdict is Verdict.FATAL:
+            await self.abandon(reusable=False)
+            raise exc
+        if verdict is Verdict.INFRA:
+            self._count_infra(exc)
+        outcome = verdict.outcome
+        assert outcome is not None
+        self.error = exc
+        return await self._end(outcome, 0.0 if verdict.scored else None, kind=error_kind(exc),
+                               error=str(exc), reusable=isinstance(exc, errors.SandpoolError))
+
+    async def abandon(self, *, reusable: bool = True) -> None:
+        """Give the sandbox back without a record (an episode its caller gave up). Idempotent."""
+        if self.result is None:
+            self._abandoned = True
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await lease.release(reusable=reusable)
+
+    def _active(self) -> Lease:
+        if self.ended or self.lease is None:
+            raise errors.PoolClosed(f"{self!r} has ended or never claimed; start a new Rollout")
+        return self.lease
+
+    def _count_infra(self, exc: Exception) -> None:
+        if not isinstance(exc, errors.InfraError):  # the pool and the lease count their own kinds
+            self.pool.counters.infra_error(error_kind(exc))
+            self.pool.telemetry.infra_error(error_kind(exc))
+
+    async def _drop_attempt(self, exc: Exception) -> None:
+        self._count_infra(exc)
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await lease.release(reusable=False)
+
+    async def _score(self, patch: bytes) -> RolloutResult:
+        assert self.grader is not None
+        for attempt in range(self.grade_retries + 1):
+            try:
+                if self.lease is None:  # the last reset found no replacement: claim one
+                    self.lease = await self.pool.acquire(self.task)
+                else:
+                    await self.lease.reset()
+                with Telemetry.span("sandpool.score", task_id=self.task.instance_id, attempt=attempt):
+                    score = await self.grader.score(self.lease, self.task, patch)
+            except Exception as exc:
+                if classify(exc) is not Verdict.INFRA or attempt == self.grade_retries:
+                    return await self.fail(exc)
+                self._count_infra(exc)
+                if self.lease is not None and self.lease.released:
+                    self.lease = None
+                elif self.lease is not None and self.lease.broken is None:
+                    # Whatever failed, this sandbox is not graded on again: swapped by reset().
+                    self.lease.broken = (exc if isinstance(exc, errors.InfraError)
+                                         else errors.InfraError(f"{type(exc).__name__}: {exc}"))
+                continue
+            except BaseException:
+                await self.abandon(reusable=False)
+                raise
+            self.score = score
+            if score.failure is not None:
+                return await self._end(Outcome.TASK_FAILED, 0.0, kind=score.kind or errors.TaskError.kind,
+                                       error=score.failure)
+            return await self._end(Outcome.COMPLETED, float(score.reward))
+        raise AssertionError("unreachable: the last attempt returns")
+
+    async def _end(self, outcome: Outcome, reward: float | None, *, kind: str | None = None,
+                   error: str | None = None, reusable: bool = True) -> RolloutResult:
+        if self.result is not None:  # one rollout, one record
+            return self.result
+        self.result = RolloutResult(
+            task_id=self.task.instance_id, rollout=self.rollout, outcome=outcome, reward=reward,
+            attempts=max(self.attempts, 1), ttfc_s=self._acted.ttfc_s if self._acted else None,
+            duration_s=time.monotonic() - self._t0, error_kind=kind, error=error, policy=self.policy,
+            sandbox_id=self._sandbox_id)
+        self.pool.telemetry.rollout_done(outcome.value)
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            await lease.release(reusable=reusable)
+        if self.on_result is not None:
+            self.on_result(self.result)
+        return self.result
+
+    async def _run(self, episode: Episode) -> RolloutResult:
+        while True:
+            try:
+                lease = await self.claim(probe=False)
+            except errors.SandpoolError:
+                if self.result is None:  # fatal: not recorded
+                    raise
+                return self.result
+            try:
+                value = await episode(lease)
+                if lease.broken is not None:  # it failed under the policy: never graded
+                    raise lease.broken
+                if self.grader is None:
+                    if value is None:
+                        raise TypeError("the episode returned no reward and run_rollout got no grader")
+                    return await self._end(Outcome.COMPLETED, float(value))
+                patch = await self.grader.capture(lease, self.task)
+            except Exception as exc:
+                if classify(exc) is Verdict.INFRA and self.attempts <= self.claim_retries:
+                    await self._drop_attempt(exc)  # the episode again, on a fresh claim
+                    continue
+                return await self.fail(exc)
+            except BaseException:
+                await self.abandon(reusable=False)
+                raise
+            return await self._score(patch)
 
 
 async def run_rollout(
@@ -27,31 +412,28 @@ async def run_rollout(
     task: Task,
     episode: Episode,
     *,
+    grader: Grader | None = None,
     rollout: int = 0,
     retries: int = 2,
+    grade_retries: int = 2,
     policy: str | None = None,
 ) -> RolloutResult:
-    """Run ``episode`` on a sandbox claimed for ``task``, retrying infra failures.
+    """Run the one-shot ``episode`` on a sandbox claimed for ``task``, then grade it.
 
-    Each attempt claims a fresh sandbox; a sandbox that raised an infra error is deleted, not
-    reused. Every error is placed by :func:`~sandpool.core.classify.classify`:
-
-    * the policy's (``TaskError``, a file errno on its path, a fork bomb): ``task_failed``,
-      reward 0, not retried;
-    * infra's (and any error sandpool does not know): retried on a fresh sandbox; after
-      ``retries`` retries ``infra_failed`` with ``reward=None``, never scored as 0;
-    * the input's (an unknown image, a base commit not in the image, a broken task):
-      ``rejected`` with the reason and ``reward=None``; the caller goes on with other tasks.
-
-    The rollout is one ``sandpool.rollout`` span (parent of its claims, commands and grading)
-    and one count in ``sandpool_rollouts_total`` (see :mod:`sandpool.core.telemetry`).
+    Each attempt claims a fresh sandbox; an infra failure while the policy acts (or its change
+    is captured) runs the episode again on a new claim, up to ``retries`` times. Then
+    ``grader`` scores the change on a pristine sandbox (see the module docstring for every
+    outcome). The rollout is one ``sandpool.rollout`` span and one count in
+    ``sandpool_rollouts_total`` (see :mod:`sandpool.core.telemetry`).
 
     Args:
         pool: An open pool.
         task: The task.
         episode: The policy's episode (see :data:`Episode`).
+        grader: Scores the episode's change; ``None``: the episode returns its reward.
         rollout: Index of this rollout among the task's rollouts.
-        retries: Infra retries allowed after the first attempt.
+        retries: Infra retries of the episode after the first attempt.
+        grade_retries: Infra retries of the scoring (same patch, another pristine sandbox).
         policy: Policy name, for the report.
 
     Returns:
@@ -60,48 +442,11 @@ async def run_rollout(
     Raises:
         FatalError: The backend is unusable or the pool closed; no point continuing the batch.
     """
+    acct = Rollout(pool, task, grader=grader, rollout=rollout, policy=policy, claim_retries=retries,
+                   grade_retries=grade_retries)
     with Telemetry.span("sandpool.rollout", task_id=task.instance_id, image=task.image,
                         rollout=rollout, policy=policy) as span:
-        result = await _run_attempts(pool, task, episode, rollout=rollout, retries=retries, policy=policy)
+        result = await acct._run(episode)
         span.set_attribute("sandpool.outcome", result.outcome.value)
         span.set_attribute("sandpool.attempts", result.attempts)
-    pool.telemetry.rollout_done(result.outcome.value)
     return result
-
-
-async def _run_attempts(pool: SandboxPool, task: Task, episode: Episode, *, rollout: int,
-                        retries: int, policy: str | None) -> RolloutResult:
-    t0 = time.monotonic()
-    last: Exception | None = None
-    sandbox_id = None
-    for attempt in range(1, retries + 2):
-        lease: Lease | None = None
-        try:
-            async with pool.claim(task) as lease:
-                sandbox_id = lease.id
-                reward = await episode(lease)
-            return RolloutResult(task_id=task.instance_id, rollout=rollout, outcome=Outcome.COMPLETED,
-                                 reward=float(reward), attempts=attempt, ttfc_s=lease.ttfc_s,
-                                 duration_s=time.monotonic() - t0, policy=policy, sandbox_id=sandbox_id)
-        except Exception as exc:  # noqa: BLE001 - every error is placed by the one classifier
-            verdict = classify(exc)
-            if verdict is Verdict.FATAL:
-                raise
-            if verdict is Verdict.INFRA:
-                if not isinstance(exc, errors.InfraError):  # the pool counts its own kinds
-                    pool.counters.infra_error(error_kind(exc))
-                    pool.telemetry.infra_error(error_kind(exc))
-                last = exc
-                continue
-            outcome = verdict.outcome
-            assert outcome is not None
-            return RolloutResult(task_id=task.instance_id, rollout=rollout, outcome=outcome,
-                                 reward=0.0 if verdict.scored else None, attempts=attempt,
-                                 ttfc_s=lease.ttfc_s if lease else None,
-                                 duration_s=time.monotonic() - t0, error_kind=error_kind(exc),
-                                 error=str(exc), policy=policy, sandbox_id=sandbox_id)
-    assert last is not None
-    return RolloutResult(task_id=task.instance_id, rollout=rollout, outcome=Outcome.INFRA_FAILED,
-                         reward=None, attempts=retries + 1, duration_s=time.monotonic() - t0,
-                         error_kind=error_kind(last), error=str(last), policy=policy,
-                         sandbox_id=sandbox_id)

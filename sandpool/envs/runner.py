@@ -19,15 +19,14 @@ from pydantic import ValidationError
 
 from sandpool.core import errors
 from sandpool.core.base import Backend
-from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RejectedTask, Report, RolloutResult, Workload
 from sandpool.core.pool import Lease, PoolLimits, SandboxPool
-from sandpool.core.rollout import run_rollout
+from sandpool.core.rollout import Grader, repeat_result, run_rollout, unrun_result
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
-from sandpool.core.telemetry import NO_METRICS, PoolMetrics
-from sandpool.envs.grading import grade
+from sandpool.core.telemetry import PoolMetrics
 from sandpool.envs.policies import Policy
+from sandpool.envs.scoring import default_grader
 
 __all__ = ["read_journal", "run_batch"]
 
@@ -43,6 +42,7 @@ async def run_batch(
     limits: PoolLimits = PoolLimits(),
     retries: int = 2,
     grade_timeout: float = 300.0,
+    grader: Grader | None = None,
     results_path: Path | None = None,
     resume: bool = False,
     rejected: list[RejectedTask] | None = None,
@@ -52,9 +52,10 @@ async def run_batch(
 ) -> Report:
     """Run every task ``rollouts_per_task`` times and return the report.
 
-    Rollout ``i`` of a task uses ``policies[i % len(policies)]``. Every requested rollout ends
-    as exactly one result (``completed``, ``infra_failed``, ``task_failed`` or ``rejected``),
-    as :func:`~sandpool.core.classify.classify` places its error: a task whose row was bad,
+    Rollout ``i`` of a task uses ``policies[i % len(policies)]``; the rollout accountant
+    (:func:`~sandpool.core.rollout.run_rollout`) grades it and decides its end. Every requested
+    rollout ends as exactly one result (``completed``, ``infra_failed``, ``task_failed`` or
+    ``rejected``): a task whose row was bad,
     whose image is missing or whose base commit is not in its image is rejected with its
     reason, each of its rollouts counted as ``rejected``, and the batch goes on. So after the
     run ``report.unaccounted == 0``.
@@ -68,7 +69,8 @@ async def run_batch(
         strategy: ``cold``, ``warm``, ``reuse`` or a :class:`Strategy`.
         limits: Pool limits.
         retries: Infra retries per rollout.
-        grade_timeout: Seconds for the grading test run.
+        grade_timeout: Seconds for the grading test run (of the default grader).
+        grader: The grader (default :func:`sandpool.envs.scoring.default_grader`).
         results_path: JSONL journal each result is appended to as it completes.
         resume: Keep the results already in ``results_path`` and run only the missing
             rollouts. Journaled results this run does not request (other tasks, rollout
@@ -118,12 +120,9 @@ async def run_batch(
                 f"(e.g. rollout {outside[0].rollout} of {outside[0].task_id}: another task, or a "
                 f"rollout index beyond --rollouts {k}); kept in the file, not counted")
     sink = results_path.open("a") if results_path is not None else None
-    resumed = len(results)
-    tel = NO_METRICS  # the pool's telemetry once it is open
+    grader = grader or default_grader(grade_timeout)
 
-    def land(result: RolloutResult, *, counted: bool = False) -> None:
-        if not counted:  # run_rollout counts its own results
-            tel.rollout_done(result.outcome.value)
+    def land(result: RolloutResult) -> None:
         results.append(result)
         done.add((result.task_id, result.rollout))
         if sink is not None:
@@ -132,46 +131,34 @@ async def run_batch(
         if on_result is not None:
             on_result(result)
 
-    def reject_all(task_id: str, row: int | None, reason: str, error_kind: str) -> None:
-        for i in range(k):
-            if (task_id, i) not in done:
-                land(RolloutResult(task_id=task_id, rollout=i, outcome=Outcome.REJECTED,
-                                   error_kind=error_kind, error=reason, row=row))
-
     if on_result is not None:
         for r in results:
             on_result(r)
     t0 = time.monotonic()
     try:
-        valid = {t.instance_id for t in tasks}
-        for rt in rejected:  # a bad row's id may repeat a valid row's: never mix their rollouts
-            tid = rt.task_id if rt.task_id and rt.task_id not in valid else f"<row {rt.row}>"
-            valid.add(tid)
-            reject_all(tid, rt.row, rt.reason, "task_validation")
         pre_rejected = len(rejected)
         async with SandboxPool(backend, strat, limits, metrics=metrics) as pool:
             tel = pool.telemetry
-            for r in results[resumed:]:  # rejected before the pool opened
-                tel.rollout_done(r.outcome.value)
+            valid = {t.instance_id for t in tasks}
+            for rt in list(rejected):  # a bad row's id may repeat a valid row's: never mix their rollouts
+                tid = rt.task_id if rt.task_id and rt.task_id not in valid else f"<row {rt.row}>"
+                valid.add(tid)
+                bad_row = errors.TaskValidationError(rt.reason, row=rt.row)
+                for i in range(k):
+                    if (tid, i) not in done:
+                        land(unrun_result(tid, bad_row, rollout=i, row=rt.row, telemetry=tel))
             runnable: list[Task] = []
             for task in tasks:
                 try:
                     await pool.hydrate(task.image)
                     runnable.append(task)
-                except Exception as exc:  # noqa: BLE001 - placed by the classifier
-                    verdict = classify(exc)
-                    if verdict is Verdict.FATAL:
-                        raise
-                    if verdict is Verdict.INPUT:
-                        rejected.append(RejectedTask(task_id=task.instance_id, row=rows.get(task.instance_id),
-                                                     reason=str(exc)))
-                        reject_all(task.instance_id, rows.get(task.instance_id), str(exc), error_kind(exc))
-                        continue
-                    for i in range(k):  # hydration failed on infra: every rollout is infra_failed
+                except Exception as exc:  # noqa: BLE001 - the accountant places it (fatal re-raised)
+                    row = rows.get(task.instance_id)
+                    if unrun_result(task.instance_id, exc).outcome is Outcome.REJECTED:
+                        rejected.append(RejectedTask(task_id=task.instance_id, row=row, reason=str(exc)))
+                    for i in range(k):
                         if (task.instance_id, i) not in done:
-                            land(RolloutResult(task_id=task.instance_id, rollout=i,
-                                               outcome=Outcome.INFRA_FAILED, error_kind=error_kind(exc),
-                                               error=str(exc), row=rows.get(task.instance_id)))
+                            land(unrun_result(task.instance_id, exc, rollout=i, row=row, telemetry=tel))
             lanes: dict[str, deque[tuple[Task, int]]] = {}
             for task in runnable:
                 for i in range(k):
@@ -183,15 +170,8 @@ async def run_batch(
             bad: dict[str, RolloutResult] = {}  # task id -> the rollout that found it unusable
 
             def episode_for(task: Task, policy: Policy):
-                async def episode(lease: Lease) -> float:
+                async def episode(lease: Lease) -> None:
                     await policy.act(lease, task)
-                    result = await grade(lease, task, timeout=grade_timeout)
-                    # Scored 0 either way, but the reason is kept in rollouts.jsonl.
-                    if result.tampering:
-                        raise errors.TamperingSuspected("suspected tampering", evidence=result.tampering)
-                    if result.error:
-                        raise errors.TaskError(f"grading: {result.error}")
-                    return result.reward
                 return episode
 
             async def lane(queue: deque[tuple[Task, int]]) -> None:
@@ -200,18 +180,17 @@ async def run_batch(
                         task, i = queue.popleft()
                         row = rows.get(task.instance_id)
                         if (first := bad.get(task.instance_id)) is not None:  # rejected already
-                            land(first.model_copy(update={"rollout": i, "policy": None, "attempts": 0,
-                                                          "sandbox_id": None, "duration_s": 0.0}))
+                            land(repeat_result(first, i, telemetry=tel))
                             continue
                         policy = policies[i % len(policies)]
-                        result = await run_rollout(pool, task, episode_for(task, policy), rollout=i,
-                                                   retries=retries, policy=policy.name)
+                        result = await run_rollout(pool, task, episode_for(task, policy), grader=grader,
+                                                   rollout=i, retries=retries, policy=policy.name)
                         result = result.model_copy(update={"row": row})
                         if result.outcome is Outcome.REJECTED and task.instance_id not in bad:
                             bad[task.instance_id] = result
                             rejected.append(RejectedTask(task_id=task.instance_id, row=row,
                                                          reason=result.error or "rejected"))
-                        land(result, counted=True)
+                        land(result)
 
             await asyncio.gather(*(lane(q) for image, q in lanes.items()
                                    for _ in range(slots.get(image, 1))))
