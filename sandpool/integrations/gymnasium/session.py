@@ -13,37 +13,33 @@ Episode, from the policy's side:
 * The episode ends when the action is the submit command (``terminated=True``) or the step
   limit is reached (``truncated=True``); then the task's tests run and give the reward (1.0
   resolved, else 0.0), and the sandbox goes back to the pool at once.
-* An infra failure (the sandbox died, the command channel broke, an infra timeout) ends the
-  episode. It is recorded as ``infra_failed`` with ``reward=None`` and counted in the pool's
-  report, never scored. What ``step`` returns is set by ``on_infra_failure`` (a
-  ``gym.make`` keyword), so that a trainer cannot take it for a reward without noticing:
+* How each episode ends (its outcome, reward and record) is decided by the rollout
+  accountant (:mod:`sandpool.core.rollout`), as for every other adapter; this module only
+  says what ``step`` returns for it:
 
-  * ``"nan"`` (default): reward ``float("nan")``, ``truncated=True``,
-    ``info["infra_failed"]=True``, ``info["error_kind"]`` and ``info["error"]``. A NaN
-    poisons any return or loss it enters, so an unmasked failure shows up at once instead
-    of teaching the policy that its actions scored 0.
-  * ``"raise"``: ``step`` raises the error (an :class:`~sandpool.core.errors.InfraError`;
-    the episode is over; call ``reset``).
-  * ``"truncate"``: reward ``0.0``, ``truncated=True``, the same ``info`` flags. Opt in only
-    if the trainer masks ``info["infra_failed"]`` itself: read without the mask, the 0.0 is
-    indistinguishable from a failed attempt.
+  * ``completed``: the grader's reward, ``terminated`` on submit, ``truncated`` at the
+    step limit; ``info["resolved"]``.
+  * ``task_failed`` (the policy's own failure: its processes exhausted the budget the
+    sandbox's agent lives in, as its cgroup counted; suspected tampering; a submission that
+    broke its grading): reward ``0.0``, ``info["task_failed"]=True`` with ``error_kind`` and
+    ``error``; ``terminated`` unless the step limit ended it.
+  * ``infra_failed`` (the sandbox died, the command channel broke, an infra timeout) and
+    ``rejected`` (the task cannot be graded, e.g. ``BrokenTaskError``) are never a score.
+    The episode ends ``truncated``, with ``info["infra_failed"]`` or ``info["rejected"]``,
+    ``error_kind`` and ``error``; the reward is set by ``on_infra_failure`` (a
+    ``gym.make`` keyword), so that a trainer cannot take it for a reward without noticing:
 
-* An error the classifier lays on the task's input (e.g. ``BrokenTaskError``, a task that
-  cannot be graded) ends the episode the same way, flagged ``info["rejected"]`` instead of
-  ``info["infra_failed"]``, and is recorded ``rejected``: not a score either.
-* The policy's own failure (``SandboxExhausted``: its processes exhausted the budget the
-  sandbox's agent lives in, as its cgroup counted; ``TamperingSuspected`` at grading) *is* a
-  score: reward ``0.0``, ``terminated=True``, ``info["task_failed"]=True``, recorded
-  ``task_failed``.
-
-Whose fault an error is comes from the core's one classifier
-(:func:`sandpool.core.classify.classify`), never from this module.
+    * ``"nan"`` (default): reward ``float("nan")``. A NaN poisons any return or loss it
+      enters, so an unmasked failure shows up at once instead of teaching the policy that
+      its actions scored 0.
+    * ``"raise"``: ``step`` raises the error (the episode is over; call ``reset``).
+    * ``"truncate"``: reward ``0.0``. Opt in only if the trainer masks
+      ``info["infra_failed"]`` itself: read without the mask, the 0.0 is indistinguishable
+      from a failed attempt.
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,15 +48,16 @@ import numpy as np
 from gymnasium import spaces
 
 from sandpool.core import errors
-from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
 from sandpool.core.pool import Lease
+from sandpool.core.rollout import Grader, Rollout
 from sandpool.core.task import Task
+from sandpool.envs.grading import GradeResult
+from sandpool.envs.scoring import default_grader
 from sandpool.integrations.gymnasium._text import CHARSET, to_text, truncate
 from sandpool.integrations.gymnasium.background import BackgroundPool
 
-__all__ = ["INFRA_FAILURE_MODES", "EnvConfig", "Session", "StepOutput", "load_task_list", "make_spaces",
-           "verdict"]
+__all__ = ["INFRA_FAILURE_MODES", "EnvConfig", "Session", "StepOutput", "load_task_list", "make_spaces"]
 
 #: The values of ``on_infra_failure`` -> the reward ``step`` reports for an unscored end
 #: (an infra failure, or a task found broken).
@@ -68,15 +65,6 @@ INFRA_FAILURE_MODES: dict[str, float] = {"nan": float("nan"), "raise": float("na
 
 #: ``exit_code`` in the observation before any command ran in the episode (and on submit).
 NO_EXIT_CODE = -1
-_PROBE = "true"  # the first command of an episode; its answer ends TTFC
-_PROBE_TIMEOUT_S = 30.0
-
-
-def verdict(exc: BaseException) -> Verdict | None:
-    """The core classifier's verdict on ``exc``; ``None`` for an interrupt or a cancellation
-    (``KeyboardInterrupt``, ``asyncio.CancelledError``), which is no rollout's failure and
-    propagates."""
-    return classify(exc) if isinstance(exc, Exception) else None
 
 
 @dataclass(frozen=True)
@@ -211,30 +199,35 @@ class StepOutput:
 
 
 class Session:
-    """One env's episode state: the task, the leased sandbox and the step count.
+    """One env's episode: a :class:`~sandpool.core.rollout.Rollout` and its step count.
 
     Its coroutines run on the :class:`BackgroundPool`'s loop.
 
     Args:
-        runner: The pool (and loop) to claim from.
+        runner: The pool (and loop) to claim from; every ended episode's record is appended
+            to its ``results``.
         cfg: Env settings.
+        grader: Scores each episode (default :func:`sandpool.envs.scoring.default_grader`).
     """
 
-    def __init__(self, runner: BackgroundPool, cfg: EnvConfig) -> None:
+    def __init__(self, runner: BackgroundPool, cfg: EnvConfig, grader: Grader | None = None) -> None:
         self.runner = runner
         self.cfg = cfg
+        self.grader = grader or default_grader(cfg.grade_timeout)
         self.task: Task | None = None
-        self.lease: Lease | None = None
+        self.rollout: Rollout | None = None
         self.steps = 0
         self.done = True  # no episode until reset
-        self._t0 = 0.0
-        self._ttfc: float | None = None
-        self._sandbox_id: str | None = None
         self._problem = ""
 
     def __repr__(self) -> str:
         tid = self.task.instance_id if self.task else None
-        return f"<Session task={tid} lease={self.lease} steps={self.steps} done={self.done}>"
+        return f"<Session task={tid} rollout={self.rollout} steps={self.steps} done={self.done}>"
+
+    @property
+    def lease(self) -> Lease | None:
+        """The running episode's sandbox, if any."""
+        return self.rollout.lease if self.rollout is not None else None
 
     # -- observations ----------------------------------------------------------------------
 
@@ -255,10 +248,12 @@ class Session:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def release(self, *, reusable: bool = True) -> None:
-        """Give the leased sandbox back (reset in place in the background, or deleted)."""
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            await lease.release(reusable=reusable and lease.broken is None)
+        """Give up a running episode, unrecorded: its sandbox goes back (reset in place), or
+        is deleted when not ``reusable``."""
+        rollout, self.rollout = self.rollout, None
+        self.done = True
+        if rollout is not None:
+            await rollout.abandon(reusable=reusable)
 
     async def reset(self, task: Task) -> tuple[dict[str, Any], dict[str, Any]]:
         """Start an episode of ``task``: claim a sandbox and run the first command.
@@ -274,50 +269,38 @@ class Session:
                 ``rejected``.
         """
         await self.release()  # an abandoned episode's sandbox is reset in place like any other
-        self.task, self.steps, self.done = task, 0, True
+        self.task, self.steps = task, 0
         self._problem = truncate(to_text(task.problem_statement), self.cfg.max_problem_chars)[0]
-        last: Exception | None = None
-        for attempt in range(1, self.cfg.claim_retries + 2):
-            self._t0 = time.monotonic()
-            try:
-                self.lease = await self.runner.pool.acquire(task)
-                await self.lease.exec(_PROBE, timeout=_PROBE_TIMEOUT_S)
-            except BaseException as exc:
-                v = verdict(exc)
-                if v is not Verdict.INFRA:  # interrupted, or not infra: the claim is not kept
-                    await asyncio.shield(self.release(reusable=False))
-                    if v is Verdict.INPUT:  # the task cannot run: it is rejected, with why
-                        self._ttfc, self._sandbox_id = None, None
-                        self._record(Outcome.REJECTED, None, error=exc)
-                    raise
-                last = exc  # already counted by the pool or the lease
-                await self.release(reusable=False)
-                continue
-            lease = self.lease
-            self.done = False
-            self._ttfc = lease.ttfc_s
-            self._sandbox_id = lease.id
-            obs, _ = self._obs()
-            info = {"task_id": task.instance_id, "sandbox_id": lease.id,
-                    "ttfc_s": float(lease.ttfc_s or 0.0), "claims": attempt}
-            return obs, info
-        assert last is not None
-        self._ttfc, self._sandbox_id = None, None
-        self._record(Outcome.INFRA_FAILED, None, error=last)
-        raise last
+        self.rollout = Rollout(self.runner.pool, task, grader=self.grader,
+                               claim_retries=self.cfg.claim_retries, on_result=self.runner.results.append)
+        lease = await self.rollout.claim()
+        self.done = False
+        obs, _ = self._obs()
+        info = {"task_id": task.instance_id, "sandbox_id": lease.id,
+                "ttfc_s": float(lease.ttfc_s or 0.0), "claims": self.rollout.attempts}
+        return obs, info
+
+    def _running(self) -> Rollout:
+        from gymnasium.error import ResetNeeded
+
+        if self.done or self.rollout is None or self.rollout.ended:
+            raise ResetNeeded("the episode is over (or never started); call reset() first")
+        return self.rollout
 
     async def write_file(self, path: str, data: bytes) -> None:
         """Write ``data`` to ``path`` (absolute, or relative to the workdir) in the sandbox.
 
         Raises:
             gymnasium.error.ResetNeeded: No episode is running.
-            InfraError: The sandbox could not be reached (the lease is marked broken).
+            SandboxFileError: The policy's path cannot be written (the episode goes on).
+            InfraError: The sandbox could not be reached (the episode ended ``infra_failed``).
         """
-        from gymnasium.error import ResetNeeded
-
-        if self.done or self.lease is None:
-            raise ResetNeeded("the episode is over (or never started); call reset() first")
-        await self.lease.write_file(path, data)
+        rollout = self._running()
+        try:
+            async with rollout.action() as lease:
+                await lease.write_file(path, data)
+        finally:
+            self.done = rollout.ended
 
     async def step(self, action: str) -> StepOutput:
         """Run one action; see the module docstring for the episode rules.
@@ -326,96 +309,68 @@ class Session:
             gymnasium.error.ResetNeeded: No episode is running (call ``reset``).
             FatalError: The backend cannot run sandboxes any more (the pool was closed...).
         """
-        from gymnasium.error import ResetNeeded
-
-        if self.done or self.lease is None or self.task is None:
-            raise ResetNeeded("the episode is over (or never started); call reset() first")
-        lease, task = self.lease, self.task
+        rollout = self._running()
+        assert self.task is not None
         self.steps += 1
-        info: dict[str, Any] = {"task_id": task.instance_id, "step": self.steps, "timed_out": False,
+        info: dict[str, Any] = {"task_id": self.task.instance_id, "step": self.steps, "timed_out": False,
                                 "output_truncated": False, "infra_failed": False,
                                 "task_failed": False, "rejected": False}
         try:
             if action.strip() == self.cfg.submit_command:
-                obs, _ = self._obs()
-                reward = await self._finish(info, submitted=True)
-                return StepOutput(obs, reward, True, False, info)
-            res = await lease.exec(action, timeout=self.cfg.step_timeout)
+                info["submitted"] = True
+                return self._ended(await rollout.finish(), self._obs()[0], info, by_limit=False)
+            try:
+                async with rollout.action() as lease:
+                    res = await lease.exec(action, timeout=self.cfg.step_timeout)
+            except Exception:
+                if rollout.result is None:  # fatal, or no end of the episode
+                    raise
+                return self._ended(rollout.result, self._obs()[0], info, by_limit=False)
             obs, cut = self._obs(res.stdout, res.stderr, res.exit_code)
             info["timed_out"] = res.timed_out
             info["output_truncated"] = cut or res.stdout_truncated or res.stderr_truncated
             if self.steps >= self.cfg.max_steps:
-                reward = await self._finish(info, submitted=False)
-                return StepOutput(obs, reward, False, True, info)
+                info["submitted"] = False
+                return self._ended(await rollout.finish(), obs, info, by_limit=True)
             return StepOutput(obs, 0.0, False, False, info)
-        except BaseException as exc:
-            v = verdict(exc)
-            if v is Verdict.INFRA or v is Verdict.INPUT:
-                return await self._unscored(exc, v, info)
-            if v is Verdict.POLICY:
-                return await self._policy_failed(exc, info)
-            # Interrupted mid-command (KeyboardInterrupt, cancellation), or fatal: the
-            # sandbox may still run the command, so it is not handed back for reuse.
-            self.done = True
-            await asyncio.shield(self.release(reusable=False))
-            raise
+        finally:
+            self.done = rollout.ended
 
-    async def _finish(self, info: dict[str, Any], *, submitted: bool) -> float:
-        assert self.lease is not None and self.task is not None
-        from sandpool.envs.grading import grade
+    def _ended(self, result: RolloutResult, obs: dict[str, Any], info: dict[str, Any], *,
+               by_limit: bool) -> StepOutput:
+        """The step that reports the episode's end as the accountant recorded it."""
+        assert self.rollout is not None
+        if result.outcome in (Outcome.INFRA_FAILED, Outcome.REJECTED):
+            return self.unscored_step(result, obs, info)
+        failed = result.outcome is Outcome.TASK_FAILED
+        info.update(task_failed=failed, resolved=not failed and result.reward == 1.0)
+        if failed:
+            info.update(error_kind=result.error_kind, error=result.error)
+        detail = self.rollout.score.detail if self.rollout.score is not None else None
+        if isinstance(detail, GradeResult):
+            info.update(f2p_failed=detail.f2p_failed, p2p_failed=detail.p2p_failed,
+                        grade_timed_out=detail.timed_out)
+            if detail.error:
+                info["grade_error"] = detail.error
+            if detail.tampering:  # the evidence travels with the step
+                info["tampering"] = list(detail.tampering)
+        reward = float(result.reward or 0.0)
+        return StepOutput(obs, reward, not by_limit, by_limit, info)
 
-        try:
-            result = await grade(self.lease, self.task, timeout=self.cfg.grade_timeout)
-        except Exception as exc:
-            if classify(exc) is not Verdict.POLICY:
-                raise  # infra or a broken task: step() reports it unscored
-            self._record(Outcome.TASK_FAILED, 0.0, error=exc)
-            info.update(resolved=False, task_failed=True, error_kind=error_kind(exc), error=str(exc))
-            self.done = True
-            await self.release()
-            return 0.0
-        info.update(resolved=result.resolved, submitted=submitted, f2p_failed=result.f2p_failed,
-                    p2p_failed=result.p2p_failed, grade_timed_out=result.timed_out)
-        if result.error:
-            info["grade_error"] = result.error
-        if result.tampering:  # scored 0; the evidence travels with the step
-            info["tampering"] = list(result.tampering)
-        self._record(Outcome.COMPLETED, float(result.reward))
-        self.done = True
-        await self.release()
-        return float(result.reward)
-
-    async def _unscored(self, exc: Exception, v: Verdict, info: dict[str, Any]) -> StepOutput:
-        assert v.outcome is not None
-        self._record(v.outcome, None, error=exc)
-        self.done = True
-        await self.release(reusable=False)
-        obs, _ = self._obs()
-        return self.unscored_step(exc, obs, info)
-
-    def unscored_step(self, exc: Exception, obs: dict[str, Any], info: dict[str, Any]) -> StepOutput:
-        """The step result that reports an unscored end (``exc`` classified infra or input) as
-        ``on_infra_failure`` says. Records nothing: the caller has."""
-        v = classify(exc)
-        info.update(infra_failed=v is Verdict.INFRA, rejected=v is Verdict.INPUT,
-                    error_kind=error_kind(exc), error=str(exc))
+    def unscored_step(self, result: RolloutResult, obs: dict[str, Any], info: dict[str, Any]) -> StepOutput:
+        """The step result that reports an unscored end (``infra_failed`` or ``rejected``) as
+        ``on_infra_failure`` says. Records nothing: the accountant has."""
+        assert self.rollout is not None and self.rollout.error is not None
+        info.update(infra_failed=result.outcome is Outcome.INFRA_FAILED,
+                    rejected=result.outcome is Outcome.REJECTED,
+                    error_kind=result.error_kind, error=result.error)
         return StepOutput(obs, INFRA_FAILURE_MODES[self.cfg.on_infra_failure], False, True, info,
-                          unscored=exc)
+                          unscored=self.rollout.error)
 
-    async def _policy_failed(self, exc: Exception, info: dict[str, Any]) -> StepOutput:
-        # The policy's own doing (it killed or exhausted its sandbox): a score of 0, terminal.
-        self._record(Outcome.TASK_FAILED, 0.0, error=exc)
-        info.update(task_failed=True, resolved=False, error_kind=error_kind(exc), error=str(exc))
-        self.done = True
-        await self.release(reusable=False)
-        obs, _ = self._obs()
-        return StepOutput(obs, 0.0, True, False, info)
-
-    def _record(self, outcome: Outcome, reward: float | None, error: Exception | None = None) -> None:
-        assert self.task is not None
-        self.runner.pool.telemetry.rollout_done(outcome.value)
-        self.runner.results.append(RolloutResult(
-            task_id=self.task.instance_id, outcome=outcome, reward=reward, ttfc_s=self._ttfc,
-            duration_s=time.monotonic() - self._t0, sandbox_id=self._sandbox_id,
-            error_kind=error_kind(error) if error else None, error=str(error) if error else None,
-        ))
+    def failed_reset(self, exc: BaseException) -> RolloutResult | None:
+        """The unscored record a failed :meth:`reset` left (every claim failed, or the task
+        cannot run), or None when ``exc`` ended nothing (fatal, an interrupt)."""
+        r = self.rollout
+        if r is None or r.result is None or r.error is not exc:
+            return None
+        return r.result if r.result.outcome in (Outcome.INFRA_FAILED, Outcome.REJECTED) else None

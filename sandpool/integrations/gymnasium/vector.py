@@ -51,7 +51,6 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from sandpool.core import errors
 from sandpool.core.base import Backend, Sandbox
-from sandpool.core.classify import Verdict
 from sandpool.core.metrics import Report
 from sandpool.core.pool import PoolLimits
 from sandpool.core.strategies import Strategy
@@ -64,7 +63,6 @@ from sandpool.integrations.gymnasium.session import (
     StepOutput,
     load_task_list,
     make_spaces,
-    verdict,
 )
 
 __all__ = ["SWEVectorEnv"]
@@ -305,15 +303,16 @@ class SWEVectorEnv(VectorEnv):
         unscored: list[Exception] = []
         for i, r in enumerate(results):
             if isinstance(r, BaseException):
-                if not (resetting[i] and verdict(r) in (Verdict.INFRA, Verdict.INPUT)):
+                session = self._sessions[i]
+                failed = session.failed_reset(r) if resetting[i] else None
+                if failed is None:
                     other = other or r
                     continue
                 # The autoreset failed (every claim failed, or the drawn task cannot run;
                 # already recorded): reported like an unscored end mid-episode, and the next
                 # step resets again.
-                session = self._sessions[i]
                 tid = session.task.instance_id if session.task else None
-                r = session.unscored_step(r, self._env_obs[i] or {},
+                r = session.unscored_step(failed, self._env_obs[i] or {},
                                           {"task_id": tid, "reset_failed": True})
             if isinstance(r, StepOutput):
                 self._env_obs[i], info = r.obs, r.info
