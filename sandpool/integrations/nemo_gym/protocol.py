@@ -20,7 +20,11 @@ from nemo_gym.base_resources_server import (
     BaseVerifyRequest,
     BaseVerifyResponse,
 )
-from sandpool.core.classify import Verdict, classify, error_kind
+from sandpool.core import errors
+from sandpool.core.classify import error_kind
+from sandpool.core.metrics import Outcome, RolloutResult
+from sandpool.core.rollout import Score
+from sandpool.envs.grading import GradeResult
 from sandpool.integrations.nemo_gym.sessions import SessionClosed, UnknownSession
 
 try:  # NeMo Gym >= 0.7: Environment Servers seed and close sessions with typed bodies
@@ -68,9 +72,8 @@ __all__ = [
     "WriteFileRequest",
     "WriteFileResponse",
     "error_response",
-    "failed_verify_response",
     "nemo_failure_kind",
-    "scored_failure",
+    "verify_response",
 ]
 
 
@@ -201,64 +204,79 @@ def nemo_failure_kind(kind: str) -> str:
     return NEMO_FAILURE_KINDS.get(kind, f"sandpool:{kind}")
 
 
-def error_response(exc: Exception) -> JSONResponse:
-    """Map an error to the HTTP answer NeMo Gym's agents act on, as the one classifier
-    (:func:`sandpool.core.classify.classify`) places it.
+def error_response(exc: Exception, result: RolloutResult | None = None) -> JSONResponse:
+    """The HTTP answer NeMo Gym's agents act on, for a request that raised ``exc``.
 
-    Infra (and any error sandpool does not know) is ``503``: NeMo Gym raises, a failed,
-    retryable rollout, never a reward. The policy's own error (a file errno on its path, a
-    fork bomb) is ``400``, a tool result the model sees. An unknown or closed session is
-    ``409``; other input errors (a task that cannot run) ``422``; a fatal one ``503``.
+    ``result`` is the record of the rollout ``exc`` ended, as the rollout accountant
+    (:mod:`sandpool.core.rollout`) made it: ``infra_failed`` is ``503`` (NeMo Gym raises: a
+    failed, retryable rollout, never a reward), ``task_failed`` (the policy's own failure,
+    e.g. its processes killed its sandbox) ``400`` with the reason, ``rejected`` (a task that
+    cannot run) ``422``. Without a record: a file errno on the policy's path is ``400``, a
+    tool result the model sees (the rollout goes on); an unknown or closed session ``409``;
+    anything else (the pool cannot run sandboxes) ``503``.
     """
-    content = {"kind": error_kind(exc), "message": str(exc)}
+    content: dict[str, Any] = {"kind": error_kind(exc), "message": str(exc)}
     if isinstance(exc, (UnknownSession, SessionClosed)):
         return JSONResponse(status_code=409, content={"outcome": "no_session"} | content)
-    verdict = classify(exc)
-    if verdict is Verdict.INFRA:
-        status, outcome = 503, "infra_failed"
-        content["failure_kind"] = nemo_failure_kind(content["kind"])
-    elif verdict is Verdict.POLICY:
+    if result is not None:
+        content = {"kind": result.error_kind or content["kind"], "message": result.error or content["message"]}
+        status = {Outcome.INFRA_FAILED: 503, Outcome.TASK_FAILED: 400, Outcome.REJECTED: 422}[result.outcome]
+        outcome = {Outcome.INFRA_FAILED: "infra_failed", Outcome.TASK_FAILED: "task_failed",
+                   Outcome.REJECTED: "bad_input"}[result.outcome]
+        if result.outcome is Outcome.INFRA_FAILED:
+            content["failure_kind"] = nemo_failure_kind(content["kind"])
+    elif isinstance(exc, errors.SandboxFileError):
         status, outcome = 400, "policy_error"
-        if isinstance(exc, OSError) and exc.errno is not None:
+        if exc.errno is not None:
             content["errno"] = exc.errno
-    elif verdict is Verdict.INPUT:
-        status, outcome = 422, "bad_input"
     else:
         status, outcome = 503, "unavailable"
     return JSONResponse(status_code=status, content={"outcome": outcome} | content)
 
 
-def failed_verify_response(body: BaseVerifyRequest, exc: Exception, *, terminal: bool) -> JSONResponse:
-    """A ``/verify`` that could not grade: 0.4's error answer, or 0.7's masked ``200``.
+def verify_response(body: BaseVerifyRequest, result: RolloutResult, score: Score | None,
+                    sandbox_id: str | None) -> JSONResponse | SandpoolVerifyResponse:
+    """The ``/verify`` answer for a rollout the accountant ended as ``result``.
 
-    ``terminal`` (a task that cannot be graded) stamps ``_ng_failure_terminal``, so 0.7's
-    resume does not retry it; an infra failure is retried.
+    ``completed``: the graded :class:`SandpoolVerifyResponse`. ``task_failed`` (the policy's
+    own failure, e.g. suspected tampering): reward 0, scored, with the reason (not masked on
+    0.7: it is a valid measurement of the policy). ``infra_failed`` and ``rejected``: never a
+    reward: 0.4's error answer (``503``, ``422``), or 0.7's masked ``200`` the way its own
+    ``judge_failsafe`` reports a failed verification; a task that cannot be graded is stamped
+    ``_ng_failure_terminal``, so 0.7's resume does not retry it, while an infra failure is
+    retried.
     """
+    detail = score.detail if score is not None and isinstance(score.detail, GradeResult) else None
+    if result.outcome is Outcome.COMPLETED:
+        assert detail is not None and result.reward is not None
+        return SandpoolVerifyResponse(**(body.model_dump() | dict(
+            reward=result.reward, instance_id=result.task_id, sandbox_id=sandbox_id or "",
+            resolved=detail.resolved, f2p_passed=detail.f2p_passed, f2p_failed=detail.f2p_failed,
+            p2p_passed=detail.p2p_passed, p2p_failed=detail.p2p_failed,
+            tests_timed_out=detail.timed_out, grade_error=detail.error,
+            grade_duration_s=detail.duration_s, ttfc_s=result.ttfc_s)))
+    kind, reason = result.error_kind or "error", (result.error or "")[:2000]
+    if result.outcome is Outcome.TASK_FAILED:
+        data = body.model_dump(mode="json") | {"reward": 0.0, "outcome": "task_failed", "kind": kind,
+                                               "message": reason}
+        if MASKS_FAILED_VERIFY:
+            data |= {"failure_kind": f"sandpool:{kind}", "failure_reason": reason}
+        return JSONResponse(content=jsonable_encoder(data))
+    terminal = result.outcome is Outcome.REJECTED
     if not MASKS_FAILED_VERIFY:
-        return error_response(exc)
-    kind = "verifier_error" if terminal else nemo_failure_kind(error_kind(exc))
+        return error_response(errors.SandpoolError(reason), result)
+    failure = "verifier_error" if terminal else nemo_failure_kind(kind)
     data = body.model_dump(mode="json")
     instance_config = data.get("instance_config")
     data |= {
-        "reward": 0.0, "mask_sample": True, "failure_kind": kind, "failure_reason": str(exc)[:2000],
+        "reward": 0.0, "mask_sample": True, "failure_kind": failure, "failure_reason": reason,
         # Older NeMo RL consumers read the mask from instance_config (as 0.7's judge_failsafe sets it).
         "instance_config": (instance_config if isinstance(instance_config, dict) else {}) | {"mask_sample": True},
-        "_ng_failure_class": kind, "outcome": "rejected" if terminal else "infra_failed",
-        "kind": error_kind(exc),
+        "_ng_failure_class": failure, "outcome": result.outcome.value, "kind": kind,
     }
     if terminal:
         data["_ng_failure_terminal"] = True
     BaseVerifyResponse.model_validate(data)  # the shape 0.7 parses (warns on an unknown kind)
-    return JSONResponse(content=jsonable_encoder(data))
-
-
-def scored_failure(body: BaseVerifyRequest, exc: Exception) -> JSONResponse:
-    """A ``/verify`` whose failure is the policy's own (the classifier's ``POLICY``): reward 0,
-    scored, with the reason (not masked on 0.7: it is a valid measurement of the policy)."""
-    data = body.model_dump(mode="json") | {"reward": 0.0, "outcome": "task_failed",
-                                           "kind": error_kind(exc), "message": str(exc)[:2000]}
-    if MASKS_FAILED_VERIFY:
-        data |= {"failure_kind": f"sandpool:{error_kind(exc)}", "failure_reason": str(exc)[:2000]}
     return JSONResponse(content=jsonable_encoder(data))
 
 #: The ``/seed_session`` body: a dataset row, or (NeMo Gym >= 0.7) an Environment Server's seed.

@@ -15,13 +15,15 @@ Routes (all keyed by NeMo Gym's session cookie):
 * ``POST /close_session`` (NeMo Gym >= 0.7) releases the sandbox of a session an Environment
   Server seeded with a typed ``ResourcesSeedSessionRequest``; a later seed of that id is refused.
 
-Failure accounting: every error is placed by the one classifier,
-:func:`sandpool.core.classify.classify`. An infra failure (a sandbox that died, a broken
-command channel, a claim that timed out, a session reclaimed for idleness, an error sandpool
-does not know) is never a reward. The policy's own errors are results: a tool answers ``400``
-with ``{"outcome": "policy_error", "kind": "file_error", "errno": ...}`` and the session goes
-on; at ``/verify`` (suspected tampering) they score ``reward`` 0. A task that cannot be graded
-is the input's: ``422`` on 0.4, a masked, terminal (not retried) sample on 0.7.
+Failure accounting: each session is one rollout of the rollout accountant
+(:mod:`sandpool.core.rollout`), which decides how it ends, as for every other adapter; this
+module only answers for it. An infra failure (a sandbox that died, a broken command channel, a
+claim that timed out, a session reclaimed for idleness, an error sandpool does not know) is
+never a reward. A file errno on the policy's path is a result: the tool answers ``400`` with
+``{"outcome": "policy_error", "kind": "file_error", "errno": ...}`` and the session goes on.
+The policy's failures that end its rollout (its processes killed or starved the sandbox,
+suspected tampering at ``/verify``) score ``reward`` 0 (``task_failed``). A task that cannot
+be graded is the input's: ``422`` on 0.4, a masked, terminal (not retried) sample on 0.7.
 
 * ``/seed_session`` and the tools answer ``503`` with
   ``{"outcome": "infra_failed", "kind": ..., "failure_kind": ..., "message": ...}``; NeMo Gym's
@@ -48,10 +50,10 @@ from pydantic import Field, PrivateAttr, field_validator
 from nemo_gym.base_resources_server import BaseResourcesServerConfig, SimpleResourcesServer
 from nemo_gym.server_utils import SESSION_ID_KEY
 from sandpool.core import errors
-from sandpool.core.classify import Verdict, classify
 from sandpool.core.pool import SandboxPool
+from sandpool.core.rollout import unrun_result
 from sandpool.core.task import Task
-from sandpool.envs.grading import grade
+from sandpool.envs.scoring import default_grader
 from sandpool.envs.tasks import parse_task
 from sandpool.integrations.nemo_gym.config import PoolSettings, validate_settings
 from sandpool.integrations.nemo_gym.protocol import (
@@ -73,11 +75,10 @@ from sandpool.integrations.nemo_gym.protocol import (
     WriteFileRequest,
     WriteFileResponse,
     error_response,
-    failed_verify_response,
     nemo_failure_kind,
-    scored_failure,
+    verify_response,
 )
-from sandpool.integrations.nemo_gym.sessions import SessionClosed, SessionTable, UnknownSession
+from sandpool.integrations.nemo_gym.sessions import SessionTable
 
 __all__ = [
     "MASKS_FAILED_VERIFY",
@@ -207,7 +208,8 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
             await pool.aclose()
             raise
         self._pool = pool
-        self._sessions = SessionTable(pool, idle_timeout_s=settings.idle_timeout_s)
+        self._sessions = SessionTable(pool, idle_timeout_s=settings.idle_timeout_s,
+                                      grader=default_grader(settings.grade_timeout_s))
         self._sessions.start_reaper()
 
     async def stop(self) -> None:
@@ -244,28 +246,35 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         which the session cookie then carries; the row is its ``task_data``).
         """
         typed = ResourcesSeedSessionRequest is not None and isinstance(body, ResourcesSeedSessionRequest)
+        if typed:
+            sid = body.resources_session_id
+            row = dict(body.task_data)
+            instance_id = str(row.get("instance_id") or body.task_id.task_id)
+            inline = row.get("task") if isinstance(row.get("task"), dict) else None
+        else:
+            sid, instance_id, inline = request.session[SESSION_ID_KEY], body.instance_id, body.task
         try:
-            if typed:
-                sid = body.resources_session_id
-                row = dict(body.task_data)
-                instance_id = row.get("instance_id") or body.task_id.task_id
-                inline = row.get("task") if isinstance(row.get("task"), dict) else None
-            else:
-                sid, instance_id, inline = request.session[SESSION_ID_KEY], body.instance_id, body.task
-            task = self._task_for(str(instance_id), inline)
+            task = self._task_for(instance_id, inline)
+        except errors.InputError as exc:  # a bad row: its rollout never claims, and is rejected
+            result = unrun_result(instance_id, exc, telemetry=self._pool.telemetry if self._pool else None)
+            return error_response(exc, result)
+        try:
             session = await self.sessions.open(sid, task)
-        except (UnknownSession, SessionClosed) as exc:  # the session protocol's, not a rollout's
-            return error_response(exc)
-        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
-            outcome = classify(exc).outcome
-            if outcome is not None and self._pool is not None:  # the rollout ends here
-                self._pool.telemetry.rollout_done(outcome.value)
-            return error_response(exc)
+        except Exception as exc:  # noqa: BLE001 - the accountant recorded how the rollout ended
+            return self._answer(sid, exc)
         if typed:
             request.session[SESSION_ID_KEY] = sid  # tool calls and /verify carry it in the cookie
             return ResourcesSeedSessionResponse(resources_session_id=sid)
         return SandpoolSeedSessionResponse(instance_id=task.instance_id, sandbox_id=session.lease.id,
                                            workdir=session.lease.workdir, ttfc_s=session.lease.ttfc_s)
+
+    def _answer(self, sid: str | None, exc: Exception) -> JSONResponse:
+        """The answer to a request on session ``sid`` that raised ``exc``: the end of its
+        rollout as the accountant recorded it, when ``exc`` ended it (see
+        :func:`~sandpool.integrations.nemo_gym.protocol.error_response`)."""
+        session = self._sessions.get(sid) if sid is not None and self._sessions is not None else None
+        result = session.result if session is not None and session.error is exc else None
+        return error_response(exc, result)
 
     async def close_resources_session(self, body: CloseSessionBody):  # type: ignore[override]
         """``/close_session`` (NeMo Gym >= 0.7): release the session's sandbox, refuse a re-seed.
@@ -275,7 +284,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         """
         try:
             await self.sessions.close(body.resources_session_id, refuse_reseed=True)
-        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
+        except Exception as exc:  # noqa: BLE001 - not a rollout's end: the release failed
             return error_response(exc)
         return ResourcesCloseSessionResponse(resources_session_id=body.resources_session_id)
 
@@ -283,16 +292,17 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         """Tool: run a shell command in the session's sandbox.
 
         A non-zero exit or a timeout is the policy's own result (``200``); an infra failure
-        fails the session (``503``).
+        ends the rollout (``503``).
         """
         settings = self.config.sandpool
         timeout = min(body.timeout_s or settings.exec_timeout_s, settings.max_exec_timeout_s)
+        sid = request.session[SESSION_ID_KEY]
         try:
-            async with self.sessions.use(request.session[SESSION_ID_KEY]) as session:
+            async with self.sessions.use(sid) as session:
                 res = await session.lease.exec(body.command, timeout=timeout,
                                                max_output=settings.max_output_bytes)
-        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
-            return error_response(exc)
+        except Exception as exc:  # noqa: BLE001 - the accountant decided what it ended
+            return self._answer(sid, exc)
         return ShellResponse(exit_code=res.exit_code, stdout=res.text, stderr=res.err_text,
                              stdout_truncated=res.stdout_truncated, stderr_truncated=res.stderr_truncated,
                              timed_out=res.timed_out, duration_s=res.duration_s)
@@ -300,13 +310,16 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
     async def read_file(self, request: Request, body: ReadFileRequest):  # type: ignore[no-untyped-def]
         """Tool: read a text file from the session's sandbox (``404`` if it does not exist)."""
         cap = self.config.sandpool.max_file_bytes
+        sid = request.session[SESSION_ID_KEY]
         try:
-            async with self.sessions.use(request.session[SESSION_ID_KEY]) as session:
+            async with self.sessions.use(sid) as session:
                 data = await session.lease.read_file(body.path)
         except FileNotFoundError as exc:
-            return JSONResponse(status_code=404, content={"outcome": "not_found", "message": str(exc)})
-        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
-            return error_response(exc)
+            if isinstance(exc, errors.SandboxFileError):  # the policy's path: a result
+                return JSONResponse(status_code=404, content={"outcome": "not_found", "message": str(exc)})
+            return self._answer(sid, exc)
+        except Exception as exc:  # noqa: BLE001 - the accountant decided what it ended
+            return self._answer(sid, exc)
         return ReadFileResponse(path=body.path, content=data[:cap].decode("utf-8", "replace"),
                                 size_bytes=len(data), truncated=len(data) > cap)
 
@@ -317,45 +330,27 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         if len(data) > cap:
             return JSONResponse(status_code=413, content={
                 "outcome": "too_large", "message": f"{len(data)} bytes exceeds max_file_bytes={cap}"})
+        sid = request.session[SESSION_ID_KEY]
         try:
-            async with self.sessions.use(request.session[SESSION_ID_KEY]) as session:
+            async with self.sessions.use(sid) as session:
                 await session.lease.write_file(body.path, data)
-        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
-            return error_response(exc)
+        except Exception as exc:  # noqa: BLE001 - the accountant decided what it ended
+            return self._answer(sid, exc)
         return WriteFileResponse(path=body.path, bytes_written=len(data))
 
     async def verify(self, request: Request, body: SandpoolVerifyRequest):  # type: ignore[override]
-        """Grade the session's sandbox, return the reward, then release the sandbox.
+        """Grade the session's rollout, return the reward, then release the sandbox.
 
-        When the sandbox failed or the session expired, never a reward: ``503`` on NeMo Gym
-        0.4, a masked ``200`` on 0.7 (see the module doc).
+        The rollout accountant grades and records it; when the sandbox failed or the session
+        expired, never a reward: ``503`` on NeMo Gym 0.4, a masked ``200`` on 0.7 (see the
+        module doc).
         """
         sid = request.session[SESSION_ID_KEY]
         try:
-            async with self.sessions.use(sid, release_after=True) as session:
-                result = await grade(session.lease, session.task,
-                                     timeout=self.config.sandpool.grade_timeout_s)
-                lease, task = session.lease, session.task
-        except (UnknownSession, SessionClosed) as exc:
+            session, result = await self.sessions.verify(sid)
+        except Exception as exc:  # noqa: BLE001 - no session, or the pool cannot run sandboxes
             return error_response(exc)
-        except Exception as exc:  # noqa: BLE001 - placed by the one classifier
-            verdict = classify(exc)
-            if verdict.outcome is not None and self._pool is not None:
-                self._pool.telemetry.rollout_done(verdict.outcome.value)
-            if verdict is Verdict.POLICY:  # e.g. suspected tampering: the policy's, scored 0
-                return scored_failure(body, exc)
-            if verdict in (Verdict.INFRA, Verdict.INPUT):
-                return failed_verify_response(body, exc, terminal=verdict is Verdict.INPUT)
-            return error_response(exc)
-        self.pool.telemetry.rollout_done("completed")
-        graded = dict(
-            reward=result.reward, instance_id=task.instance_id, sandbox_id=lease.id,
-            resolved=result.resolved, f2p_passed=result.f2p_passed, f2p_failed=result.f2p_failed,
-            p2p_passed=result.p2p_passed, p2p_failed=result.p2p_failed,
-            tests_timed_out=result.timed_out, grade_error=result.error,
-            grade_duration_s=result.duration_s, ttfc_s=lease.ttfc_s,
-        )
-        return SandpoolVerifyResponse(**(body.model_dump() | graded))
+        return verify_response(body, result, session.rollout.score, result.sandbox_id)
 
     async def metrics(self) -> Response:
         """The pool's Prometheus series, in the text exposition format."""

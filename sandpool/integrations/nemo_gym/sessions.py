@@ -1,13 +1,17 @@
-"""NeMo Gym sessions mapped to leased sandboxes, with idle reclaim.
+"""NeMo Gym sessions mapped to rollouts on leased sandboxes, with idle reclaim.
 
 A session is keyed by NeMo Gym's session id (the value its session cookie carries). It holds
-one :class:`~sandpool.core.pool.Lease` from ``/seed_session`` until ``/verify`` releases it,
-or until it sits idle longer than ``idle_timeout_s``; then the reaper releases the sandbox
-(reset in place for reuse) and the session expires.
+one rollout (:class:`~sandpool.core.rollout.Rollout`, the accountant every adapter uses) from
+``/seed_session`` until ``/verify`` grades it, or until it sits idle longer than
+``idle_timeout_s``; then the reaper ends it ``infra_failed`` (:class:`SessionExpired`: never
+a reward) and the session expires.
 
-A session whose sandbox hit an infra error is *failed*: its lease is released for deletion at
-once, and every later request on it answers with that error, so ``/verify`` can never turn it
-into a reward. This module knows nothing of HTTP or NeMo Gym.
+Each request's work runs as one of the rollout's guarded actions: an error that ends the
+rollout (infra, or the policy's own failure such as a fork bomb) ends it as the accountant
+records it, the session is *ended*, and every later request on it answers with that error,
+so ``/verify`` returns the recorded end and can never turn it into a new reward. A file
+errno on the policy's path is a result, and the session goes on. This module knows nothing
+of HTTP or NeMo Gym.
 
 Every change to one session id (seed, request, close, idle reclaim) runs under that id's own
 lock, so two seeds racing on one id claim one sandbox, not two, and a close cannot release a
@@ -25,23 +29,19 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from sandpool.core import errors
-from sandpool.core.classify import Verdict, classify
+from sandpool.core.metrics import RolloutResult
 from sandpool.core.pool import Lease, SandboxPool
+from sandpool.core.rollout import Grader, Rollout
 from sandpool.core.task import Task
 
 __all__ = ["Session", "SessionClosed", "SessionExpired", "SessionState", "SessionTable", "UnknownSession"]
-
-#: The first command of a session: proves the sandbox answers and sits at the base commit.
-_PROBE = "git rev-parse HEAD"
-_PROBE_TIMEOUT_S = 30.0
-
 
 class SessionState(enum.Enum):
     """Lifecycle of one session."""
 
     ACTIVE = "active"
-    FAILED = "failed"  # an infra error; the sandbox was dropped
-    EXPIRED = "expired"  # reclaimed after the idle timeout
+    FAILED = "failed"  # its rollout ended before /verify (infra, or the policy's failure)
+    EXPIRED = "expired"  # reclaimed after the idle timeout (its rollout ended infra_failed)
     CLOSED = "closed"  # verified (or closed) and released
 
 
@@ -73,23 +73,42 @@ class SessionExpired(errors.InfraError):
 
 @dataclass(eq=False)
 class Session:
-    """One NeMo Gym session and the sandbox leased for it.
+    """One NeMo Gym session and its rollout.
 
     Attributes:
         id: NeMo Gym's session id.
         task: The task the session runs.
-        lease: The leased sandbox (released once the session leaves ``ACTIVE``).
+        rollout: The rollout's accountant (its lease, then its record).
         state: Where the session is in its lifecycle.
-        error: The error (infra, by the classifier) that failed or expired the session.
         last_used: ``time.monotonic()`` of the end of the last request, in seconds.
     """
 
     id: str
     task: Task
-    lease: Lease
+    rollout: Rollout
     state: SessionState = SessionState.ACTIVE
-    error: Exception | None = None
     last_used: float = 0.0
+
+    @property
+    def lease(self) -> Lease:
+        """The leased sandbox of an active session.
+
+        Raises:
+            PoolClosed: The session's rollout has ended.
+        """
+        if self.rollout.lease is None:
+            raise errors.PoolClosed(f"session {self.id[:8]}... holds no sandbox")
+        return self.rollout.lease
+
+    @property
+    def error(self) -> Exception | None:
+        """The error that ended the session's rollout, if one did."""
+        return self.rollout.error
+
+    @property
+    def result(self) -> RolloutResult | None:
+        """The rollout's record, once it ended."""
+        return self.rollout.result
 
 
 class _IdLocks:
@@ -126,25 +145,27 @@ class SessionTable:
 
     Usage::
 
-        table = SessionTable(pool, idle_timeout_s=600)
+        table = SessionTable(pool, idle_timeout_s=600, grader=grader)
         table.start_reaper()
-        await table.open(session_id, task)              # claim + in-place reset + first command
-        async with table.use(session_id) as session:    # infra errors fail the session
+        await table.open(session_id, task)              # claim + first command
+        async with table.use(session_id) as session:    # one guarded action of the rollout
             await session.lease.exec("ls", timeout=30)
-        await table.close(session_id)                   # release for reuse
+        session, result = await table.verify(session_id)  # grade, record, release
         await table.aclose()
 
     Args:
         pool: An open :class:`SandboxPool`.
         idle_timeout_s: Seconds without a request after which a session is reclaimed.
+        grader: Scores each session's rollout at :meth:`verify`.
         clock: Monotonic clock in seconds (for tests).
         max_closed_ids: How many ids closed with ``refuse_reseed`` are remembered (oldest
             forgotten first), so the memory of closed ids stays bounded over a long run.
     """
 
-    def __init__(self, pool: SandboxPool, *, idle_timeout_s: float,
+    def __init__(self, pool: SandboxPool, *, idle_timeout_s: float, grader: Grader | None = None,
                  clock: Callable[[], float] = time.monotonic, max_closed_ids: int = 100_000) -> None:
         self.pool = pool
+        self.grader = grader
         self.idle_timeout_s = idle_timeout_s
         self._clock = clock
         self._sessions: dict[str, Session] = {}
@@ -175,21 +196,22 @@ class SessionTable:
         return [s for s in self._sessions.values() if s.state is SessionState.ACTIVE]
 
     async def open(self, session_id: str, task: Task) -> Session:
-        """Claim a sandbox for ``task`` under ``session_id`` and run its first command.
+        """Start a rollout of ``task`` under ``session_id``: claim a sandbox, run its first command.
 
         The claim takes a warm sandbox when there is one; the pool checks out
         ``task.base_commit`` (a sandbox released by an earlier session was already reset in
         place, off this path). Seeding an id that is still active for the same task returns
         the existing session (two seeds racing on one id get one sandbox); for another task,
-        the old sandbox is released first.
+        the old rollout is given up first (unrecorded).
 
         Returns:
             The active session.
 
         Raises:
             SessionClosed: The id was closed with ``refuse_reseed`` (a late seed).
-            InfraError: No sandbox could be claimed, or it failed its first command.
-            InputError: The task cannot run (unknown image, bad base commit).
+            InfraError: No sandbox could be claimed, or it failed its first command; the
+                rollout is recorded and the session kept ``FAILED`` with that record.
+            InputError: The task cannot run (unknown image, bad base commit); the same.
             PoolClosed: The pool is closed.
         """
         async with self._locks.hold(session_id):
@@ -201,18 +223,16 @@ class SessionTable:
                     old.last_used = self._clock()
                     return old
                 await self._release(old, SessionState.CLOSED)
-            lease = await self.pool.acquire(task)
+            session = Session(session_id, task, Rollout(self.pool, task, grader=self.grader),
+                              last_used=self._clock())
             try:
-                res = await lease.exec(_PROBE, timeout=_PROBE_TIMEOUT_S)
-                if not res.ok or res.text.strip() != task.base_commit:
-                    raise errors.SandboxStartError(
-                        f"sandbox {lease.id} is not at {task.base_commit[:12]} after its claim "
-                        f"(git says {(res.text or res.err_text).strip()[:80]!r})"
-                    )
-            except BaseException:
-                await self.pool.release(lease, reusable=False)
+                await session.rollout.claim()
+            except Exception:
+                if session.result is not None:  # recorded: later requests answer with its end
+                    session.state = SessionState.FAILED
+                    self._sessions[session_id] = session
+                    self.failed += 1
                 raise
-            session = Session(session_id, task, lease, last_used=self._clock())
             self._sessions[session_id] = session
             return session
 
@@ -229,61 +249,66 @@ class SessionTable:
         return session
 
     @contextlib.asynccontextmanager
-    async def use(self, session_id: str, *, release_after: bool = False) -> AsyncIterator[Session]:
-        """Hold the session for one request; requests on one session run one at a time.
+    async def use(self, session_id: str) -> AsyncIterator[Session]:
+        """Hold the session for one request, as one guarded action of its rollout
+        (:meth:`Rollout.action <sandpool.core.rollout.Rollout.action>`); requests on one
+        session run one at a time.
 
-        An error inside the block that :func:`sandpool.core.classify.classify` places as infra
-        fails the session: its sandbox is released for deletion and the error is kept for
-        later requests. The policy's own errors (and the input's) leave the session active.
-
-        Args:
-            session_id: The session.
-            release_after: Release the sandbox (for reuse unless broken) and forget the
-                session when the block ends without an infra error, under the same lock,
-                so no request can slip in between (``/verify``).
+        An error inside the block that ends the rollout (infra, or the policy's own failure)
+        ends it as the accountant records it; the session is ``FAILED`` and keeps the error
+        for later requests. A file errno on the policy's path leaves it active.
 
         Raises:
             UnknownSession: No active session under this id.
-            InfraError: The session failed or expired earlier (the original error).
+            SandpoolError: The session's rollout ended earlier (the error that ended it).
         """
         self._check(session_id)
         async with self._locks.hold(session_id):
             session = self._check(session_id)
             try:
-                yield session
-            except Exception as exc:
-                if classify(exc) is Verdict.INFRA:
-                    await self._fail(session, exc)
-                elif release_after:
-                    await self._release(session, SessionState.CLOSED)
-                raise
-            except BaseException:  # cancelled: the sandbox goes back, reset in place
-                if release_after:
-                    await self._release(session, SessionState.CLOSED)
-                raise
-            else:
-                if release_after:
-                    await self._release(session, SessionState.CLOSED)
+                async with session.rollout.action():
+                    yield session
             finally:
+                if session.rollout.ended and session.state is SessionState.ACTIVE:
+                    session.state = SessionState.FAILED
+                    self.failed += session.result is not None
                 session.last_used = self._clock()
 
-    async def _fail(self, session: Session, exc: Exception) -> None:
-        if session.state is not SessionState.ACTIVE:
-            return
-        session.state = SessionState.FAILED
-        session.error = exc
-        self.failed += 1
-        await self.pool.release(session.lease, reusable=False)
+    async def verify(self, session_id: str) -> tuple[Session, RolloutResult]:
+        """End the session's rollout: grade it (capture, reset, score), record it, release
+        its sandbox, and forget the session. A session whose rollout already ended (failed
+        or expired) answers with that record, never graded anew.
+
+        Returns:
+            The session and its rollout's record (the grader's score on
+            ``session.rollout.score``).
+
+        Raises:
+            UnknownSession: No session under this id (never seeded, or already verified).
+            FatalError: The pool cannot run sandboxes (nothing recorded).
+        """
+        async with self._locks.hold(session_id):
+            session = self._sessions.get(session_id)
+            if session is None or session.state is SessionState.CLOSED:
+                self._check(session_id)  # raises UnknownSession
+            assert session is not None
+            try:
+                result = session.result or await session.rollout.finish()
+            finally:
+                if session.rollout.ended:
+                    session.state = SessionState.CLOSED
+                    if self._sessions.get(session_id) is session:
+                        del self._sessions[session_id]
+            return session, result
 
     async def _release(self, session: Session, state: SessionState) -> None:
-        """Release an active session's sandbox (caller holds its lock) and leave it in ``state``.
-
-        The session keeps its state until the release returned, so a release that raises
-        leaves it active for the caller to retry.
+        """Give up an active session's rollout, unrecorded (caller holds its lock), and leave it
+        in ``state``. The session keeps its state until the release returned, so a release
+        that raises leaves it active for the caller to retry.
         """
         if session.state is not SessionState.ACTIVE:
             return
-        await self.pool.release(session.lease, reusable=session.lease.broken is None)
+        await session.rollout.abandon()
         session.state = state
         if state is SessionState.CLOSED and self._sessions.get(session.id) is session:
             del self._sessions[session.id]
@@ -334,12 +359,13 @@ class SessionTable:
                 if session.state is SessionState.ACTIVE:
                     if now - session.last_used <= self.idle_timeout_s:
                         continue
-                    session.error = SessionExpired(
+                    # Its sandbox goes back to the pool (reset in place): nothing failed in it.
+                    await session.rollout.fail(SessionExpired(
                         f"session {session.id[:8]}... was idle for over {self.idle_timeout_s:g} s "
                         f"and its sandbox {session.lease.id} was reclaimed; raise idle_timeout_s "
                         "if episodes pause that long"
-                    )
-                    await self._release(session, SessionState.EXPIRED)
+                    ))
+                    session.state = SessionState.EXPIRED
                     self.reclaimed += 1
                     reaped.append(session.id)
                 elif now - session.last_used > 4 * self.idle_timeout_s:
@@ -372,4 +398,4 @@ class SessionTable:
             session = self._sessions.pop(sid)
             if session.state is SessionState.ACTIVE:
                 session.state = SessionState.CLOSED
-                await self.pool.release(session.lease, reusable=False)
+                await session.rollout.abandon(reusable=False)
