@@ -498,3 +498,35 @@ async def test_a_pod_gone_on_the_exec_handshake_is_not_retried(flaky_exec_server
     with pytest.raises(errors.SandboxDied):
         await http.ws_connect(_EXEC_PATH, [("command", "true")], ("v5.channel.k8s.io",))
     assert len(seen) == 1 and http.retried == 0
+
+
+def test_a_claim_whose_pod_the_api_server_refuses_as_invalid_fails_at_once():
+    """The agent-sandbox controller retries an invalid pod forever (Ready=False,
+    ReconcilerError): the claim's wait treats it as terminal instead of waiting out its
+    timeout. Message as the v1.0.3 controller wrote it on a real node."""
+    from sandpool.core.backends.kubernetes._claims import _invalid_pod
+
+    refused = {"type": "Ready", "status": "False", "reason": "ReconcilerError", "message": (
+        'Error seen: Pod "sp-74139929-c1" is invalid: [spec.containers[0].resources.requests: '
+        'Invalid value: "64Mi": must be less than or equal to memory limit of 48Mi]')}
+    assert _invalid_pod(refused)
+    assert not _invalid_pod({**refused, "message": "Error seen: the server is currently unable"})
+    assert not _invalid_pod({**refused, "reason": "SandboxNotReady"})
+
+
+def test_a_pod_whose_init_container_cannot_pull_its_image_will_never_start():
+    """The scratch volume's filler runs the task image first; its pull failure is the pod's
+    (seen on a real node: the pod stays Pending, its container PodInitializing)."""
+    from sandpool.core.backends.kubernetes._pods import pod_start_failure
+
+    waiting = {"waiting": {"reason": "ImagePullBackOff", "message": "Back-off pulling image"}}
+    pod = {"metadata": {}, "status": {"phase": "Pending", "initContainerStatuses": [
+        {"name": "sandpool-fill", "state": waiting}], "containerStatuses": [
+        {"name": "sandbox", "state": {"waiting": {"reason": "PodInitializing"}}}]}}
+    assert "sandpool-fill: ImagePullBackOff" in pod_start_failure(pod)
+    done = {"terminated": {"reason": "Completed", "exitCode": 0}}
+    pod["status"]["initContainerStatuses"][0]["state"] = done
+    assert pod_start_failure(pod) is None
+    pod["status"]["initContainerStatuses"][0]["state"] = {"terminated": {"reason": "Error",
+                                                                         "exitCode": 1}}
+    assert "sandpool-fill terminated: Error (exit 1)" in pod_start_failure(pod)

@@ -6,6 +6,7 @@ on their status.
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,15 @@ from sandpool.core.backends.kubernetes._pods import cond, pod_start_failure
 from sandpool.core.backends.kubernetes._watch import Informer
 
 __all__ = ["Claims"]
+
+# The controller's message when the API server refused the claim's pod as invalid (a limit
+# below its request, a bad field): it retries the same pod forever.
+_INVALID_POD = re.compile(r'Pod "[^"]*" is invalid: ')
+
+
+def _invalid_pod(ready: Mapping[str, Any]) -> bool:
+    return ready.get("reason") == "ReconcilerError" and bool(
+        _INVALID_POD.search(ready.get("message", "")))
 
 # Claim Ready=False reasons that never resolve by waiting.
 _CLAIM_TERMINAL = frozenset(
@@ -251,7 +261,7 @@ class Claims:
             if (
                 ready is not None
                 and ready.get("status") == "False"
-                and ready.get("reason") in _CLAIM_TERMINAL
+                and (ready.get("reason") in _CLAIM_TERMINAL or _invalid_pod(ready))
             ):
                 raise errors.SandboxStartError(
                     f"SandboxClaim {claim_name} failed: {ready['reason']}: {ready.get('message', '')}"
@@ -259,12 +269,15 @@ class Claims:
             name = ((obj.get("status") or {}).get("sandbox") or {}).get("name")
             if ready is not None and ready.get("status") == "True" and name:
                 return name
-            # A cold-started claim's pod is named after the claim: surface its failure early.
-            pod = pods.get(claim_name)
-            if pod is not None and (why := pod_start_failure(pod)):
-                raise errors.SandboxStartError(
-                    f"SandboxClaim {claim_name}: pod {claim_name}: {why}"
-                )
+            # A cold-started claim's pod is named after the claim, an adopted warm sandbox's
+            # after that sandbox: surface a start that will never succeed (a pull that fails)
+            # at once rather than at the ready timeout.
+            for pod_name in dict.fromkeys((claim_name, name) if name else (claim_name,)):
+                pod = pods.get(pod_name)
+                if pod is not None and (why := pod_start_failure(pod)):
+                    raise errors.SandboxStartError(
+                        f"SandboxClaim {claim_name}: pod {pod_name}: {why}"
+                    )
             return None
 
         fut: asyncio.Future[str] = asyncio.get_running_loop().create_future()

@@ -52,13 +52,16 @@ def pod_ready(pod: Mapping[str, Any]) -> bool:
 def pod_start_failure(pod: Mapping[str, Any]) -> str | None:
     """Why a starting pod will never become Ready, or None while it may still."""
     status = pod.get("status") or {}
-    for cs in status.get("containerStatuses") or []:
+    # Init containers (the scratch volume's filler) pull the image first: their failure is the
+    # pod's; one that ran to completion (exit 0) is not.
+    inits = [(cs, True) for cs in status.get("initContainerStatuses") or []]
+    for cs, init in [*inits, *((cs, False) for cs in status.get("containerStatuses") or [])]:
         state = cs.get("state") or {}
         waiting = state.get("waiting") or {}
         if waiting.get("reason") in _START_FAIL_WAITING:
             return f"container {cs.get('name')}: {waiting['reason']}: {waiting.get('message', '')}".strip()
         term = state.get("terminated") or {}
-        if term:
+        if term and not (init and term.get("exitCode") == 0):
             return f"container {cs.get('name')} terminated: {term.get('reason', '')} (exit {term.get('exitCode')})"
     if status.get("phase") in ("Failed", "Succeeded"):
         return f"pod phase {status['phase']}: {status.get('reason', '')} {status.get('message', '')}".strip()

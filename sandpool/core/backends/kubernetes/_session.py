@@ -27,22 +27,12 @@ under the local backend's ``bwrap --as-pid-1``: the kernel drops every signal se
 inside that it has no handler for (SIGKILL and SIGSTOP too, even from root), so
 ``kill -9 -1`` and ``kill -9 1`` leave it running. On a real cluster a pod exec joins the
 container's pid namespace, whose pid 1 is the container's entrypoint, so the agent is an
-ordinary process there. The pod spec then needs, for the same guarantee:
-
-* ``shareProcessNamespace: false`` (the default) and ``hostPID: false``: no other
-  container's or the node's processes share the namespace;
-* the agent as pid 1 of the namespace the commands run in: either a session prefix
-  ``unshare --pid --fork --mount-proc --`` as on kwok (needs ``CAP_SYS_ADMIN`` in the
-  container, or unprivileged user namespaces with ``unshare --user --map-root-user``), or the
-  agent as the container's entrypoint (``command: [python3, -I, -u, -c, <agent>]`` with
-  ``stdin: true``), reached over the ``pods/attach`` subresource instead of ``pods/exec``;
-* ``securityContext.capabilities.drop: [ALL]`` (no ``CAP_SYS_PTRACE``, so no ptrace of the
-  agent or reading its ``/proc/<pid>/fd``; the agent is non-dumpable) and
-  ``allowPrivilegeEscalation: false``.
-
-Neither is done by this backend on a real cluster today (the container command stays
-``sleep infinity`` and the session a plain exec). On kwok, commands run as root on the node
-host: the signal path is closed, ptrace is not.
+ordinary process there. ``KubernetesBackend(agent_entrypoint=True)`` gives the same
+guarantee there: the agent is the container's pid 1 (its command, :mod:`._entrypoint`), and
+this session reaches it over ``pods/attach`` instead of ``pods/exec`` (``attach=True``). Ptrace of the agent and reading
+its ``/proc/<pid>/fd`` need ``CAP_SYS_PTRACE``, which a container lacks by default (the agent
+is non-dumpable). On kwok, commands run as root on the node host: the signal path is closed,
+ptrace is not.
 """
 
 from __future__ import annotations
