@@ -32,6 +32,11 @@ restarted) on the cluster in ``--cluster-run-dir``:
     SANDPOOL_CLUSTER_RUN_DIR=~/.cache/sandpool/cluster/faults python hack/cluster/cluster.py up --nodes 3
     .venv/bin/python bench/faults.py --faults '' --k8s-faults k8s_none,pod_deleted,... \
         --cluster-run-dir ~/.cache/sandpool/cluster/faults
+
+With ``--real-faults`` the real-node rows follow (``bench/_real_faults.py``: a real pod deleted,
+its container killed through the CRI, the kubelet stopped until the node is NotReady,
+containerd restarted, an image that cannot be pulled, a container OOMKilled) on that cluster's
+real node (``cluster.py up --real-nodes 1``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import time
 from pathlib import Path
 
 from _k8s_faults import K8S_FAULTS, run_k8s_fault
+from _real_faults import REAL_FAULTS, run_real_fault
 
 from sandpool.core import ResourceLimits
 from sandpool.core.backends.local import LocalBackend
@@ -182,6 +188,8 @@ async def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("reports/faults"))
     ap.add_argument("--k8s-faults", default="",
                     help=f"also these Kubernetes faults ({','.join(K8S_FAULTS)}), on a running cluster")
+    ap.add_argument("--real-faults", default="",
+                    help=f"also these real-node faults ({','.join(REAL_FAULTS)}), on a running cluster")
     ap.add_argument("--cluster-run-dir", type=Path,
                     default=Path(os.environ.get("SANDPOOL_CLUSTER_RUN_DIR")
                                  or Path.home() / ".cache/sandpool/cluster/run"))
@@ -200,6 +208,20 @@ async def main() -> None:
     for fault in [f for f in args.k8s_faults.split(",") if f]:
         kubeconfig = Path(json.loads((args.cluster_run_dir / "state.json").read_text())["kubeconfig"])
         rows.append(await run_k8s_fault(fault, kubeconfig, args.cluster_run_dir, args.out / "k8s"))
+        print(f"{fault}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    real = [f for f in args.real_faults.split(",") if f]
+    if real:
+        from sandpool.envs.taskpack.oci import build_test_images
+
+        root = build_test_images()
+        task_row = json.loads((root / "swe-task.json").read_text())
+        images = [f"sandpool.test/faults/swe-calc-{i}:1" for i in range(2)]
+        for img in images:
+            subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "hack" / "cluster"
+                                                / "cluster.py"), "push", f"oci:{root / 'layout'}:swe", img],
+                           check=True, env=dict(os.environ, SANDPOOL_CLUSTER_RUN_DIR=str(args.cluster_run_dir)))
+    for fault in real:
+        rows.append(await run_real_fault(fault, args.cluster_run_dir, task_row, images))
         print(f"{fault}: {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
     text = render(rows)
     print(text)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +12,7 @@ import typer
 from rich.console import Console
 
 from sandpool.core import errors
-from sandpool.core.base import ResourceLimits
+from sandpool.core.base import Backend, ResourceLimits
 from sandpool.core.metrics import Outcome, RejectedTask, RolloutResult
 from sandpool.core.paths import sandpool_home
 from sandpool.core.pool import PoolLimits
@@ -30,9 +31,11 @@ def _default_tasks() -> Path:
         return build_default_pack(progress=show)
 
 
-def _validate_first(task_list: list, *, grade_timeout: float = 300.0) -> tuple[list, list[RejectedTask]]:
+def _validate_first(task_list: list, *, grade_timeout: float = 300.0,
+                    backend: Callable[[], Backend] | None = None) -> tuple[list, list[RejectedTask]]:
     """The tasks worth running and the rows rejected: every task not validated before on its
-    image is validated once (gold and empty patch, cached under sandpool_home())."""
+    image is validated once (gold and empty patch, cached under sandpool_home()), on sandboxes
+    of ``backend()`` (default: the local backend)."""
     from sandpool.core.backends.local import LocalBackend
     from sandpool.envs.grading.validate import validated
 
@@ -45,9 +48,34 @@ def _validate_first(task_list: list, *, grade_timeout: float = 300.0) -> tuple[l
                               "on their image before (once; --no-validate skips)")
 
         runnable, broken, _ = asyncio.run(validated(
-            task_list, LocalBackend, concurrency=2, grade_timeout=grade_timeout, on_start=start,
+            task_list, backend or LocalBackend, concurrency=2, grade_timeout=grade_timeout, on_start=start,
             on_result=lambda v: bar.advance()))
     return runnable, broken
+
+
+def _backend_factory(name: str, *, network: bool, kubeconfig: str, namespace: str, node_selector: str,
+                     tolerate: str, disk_mib: int) -> Callable[[], Backend]:
+    """What makes the run's backend (for validation and for the run), from ``run``'s options.
+
+    Raises:
+        InputError: An unknown backend, or a malformed --node-selector.
+    """
+    from sandpool.core.backends.local import LocalBackend
+
+    if name == "local":
+        return lambda: LocalBackend(limits=ResourceLimits(network=network))
+    if name != "kubernetes":
+        raise errors.InputError(f"--backend {name!r}: use local or kubernetes")
+    from sandpool.core.backends.kubernetes import KubernetesBackend
+
+    pairs = [p for p in node_selector.split(",") if p]
+    if any("=" not in p for p in pairs):
+        raise errors.InputError(f"--node-selector {node_selector!r}: give key=value[,key=value]")
+    opts = {"namespace": namespace, "node_selector": dict(p.split("=", 1) for p in pairs),
+            "tolerations": [{"key": k, "operator": "Exists", "effect": "NoSchedule"}
+                            for k in tolerate.split(",") if k],
+            "disk_bytes": disk_mib << 20 or None, "agent_entrypoint": True}
+    return lambda: KubernetesBackend(kubeconfig or None, **opts)
 
 
 def _no_task_file(tasks: str, exc: FileNotFoundError) -> str:
@@ -61,8 +89,8 @@ def _no_task_file(tasks: str, exc: FileNotFoundError) -> str:
 def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int,
               grade_timeout: float = 300.0) -> int:
     from sandpool.core.backends.local import LocalBackend
-    from sandpool.envs.tasks import load_tasks, local_base_resolver
     from sandpool.envs.grading.validate import ValidationCache, validate_tasks
+    from sandpool.envs.tasks import load_tasks, local_base_resolver
 
     rejected: list[RejectedTask] = []
     task_list = load_tasks(path, rejected=rejected, resolve_base=local_base_resolver())
@@ -92,14 +120,25 @@ def run(
     resume: Annotated[bool, typer.Option(help="Continue a run from out/rollouts.jsonl.")] = False,
     chat_url: Annotated[str, typer.Option(help="OpenAI-compatible endpoint for the chat policy.")] = "",
     model: Annotated[str, typer.Option(help="Model name for the chat policy.")] = "",
-    network: Annotated[bool, typer.Option(help="Give sandboxes network access.")] = False,
+    network: Annotated[bool, typer.Option(help="Give sandboxes network access (local backend).")] = False,
+    backend: Annotated[str, typer.Option(help="local (bubblewrap) or kubernetes (pods; the task's image is the "
+                                              "container image).")] = "local",
+    kubeconfig: Annotated[str, typer.Option(help="--backend kubernetes: kubeconfig (default: $KUBECONFIG or "
+                                                 "~/.kube/config).")] = "",
+    namespace: Annotated[str, typer.Option(help="--backend kubernetes: namespace of the pods.")] = "default",
+    node_selector: Annotated[str, typer.Option(help="--backend kubernetes: nodeSelector of the pods, "
+                                                    "key=value[,key=value].")] = "",
+    tolerate: Annotated[str, typer.Option(help="--backend kubernetes: taint keys the pods tolerate "
+                                               "(NoSchedule), comma-separated.")] = "",
+    disk_mib: Annotated[int, typer.Option(min=0, help="--backend kubernetes: cap on what a sandbox writes (its "
+                                                      "workdir copy and /tmp, in memory), read-only root; 0: off.")] = 0,
     metrics_port: Annotated[int, typer.Option(help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics while running (0 = off).")] = 0,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Do not validate tasks first. By default each task "
                                               "not validated on its image before gets its gold and empty patch graded "
                                               "once (cached), and a broken task is rejected instead of run.")] = False,
 ) -> None:
-    """Run N tasks x k rollouts on the local backend, with a progress bar and a report."""
-    from sandpool.core.backends.local import LocalBackend
+    """Run N tasks x k rollouts on the local backend or on Kubernetes pods, with a progress bar and a
+    report."""
     from sandpool.envs.policies import get_policy
     from sandpool.envs.runner import run_batch
     from sandpool.envs.tasks import load_tasks, local_base_resolver
@@ -108,7 +147,10 @@ def run(
         path = _default_tasks() if tasks == "default" else Path(tasks)
         rejected: list[RejectedTask] = []
         rows: dict[str, int] = {}
-        task_list = load_tasks(path, rejected=rejected, rows=rows, resolve_base=local_base_resolver())
+        make_backend = _backend_factory(backend, network=network, kubeconfig=kubeconfig, namespace=namespace,
+                                        node_selector=node_selector, tolerate=tolerate, disk_mib=disk_mib)
+        task_list = load_tasks(path, rejected=rejected, rows=rows,
+                               resolve_base=local_base_resolver() if backend == "local" else None)
         if limit:
             task_list = task_list[:limit]
         policies = [get_policy(p.strip(), base_url=chat_url, model=model) for p in policy.split(",") if p.strip()]
@@ -120,7 +162,7 @@ def run(
         raise typer.Exit(2) from None
     if not no_validate:
         try:
-            task_list, broken = _validate_first(task_list)
+            task_list, broken = _validate_first(task_list, backend=make_backend)
         except errors.FatalError as exc:
             console.print(f"[red]error:[/] {exc}")
             raise typer.Exit(2) from None
@@ -131,7 +173,6 @@ def run(
     results_path = out / "rollouts.jsonl"
     if not resume:
         results_path.unlink(missing_ok=True)
-    backend = LocalBackend(limits=ResourceLimits(network=network))
     counts = {o: 0 for o in Outcome}
     metrics = None
     if metrics_port:
@@ -154,7 +195,7 @@ def run(
 
         try:
             report = asyncio.run(run_batch(
-                task_list, policies, backend, rollouts_per_task=rollouts, concurrency=concurrency,
+                task_list, policies, make_backend(), rollouts_per_task=rollouts, concurrency=concurrency,
                 strategy=strategy, limits=PoolLimits(), retries=retries, results_path=results_path,
                 resume=resume, rejected=rejected, rows=rows, on_result=on_result, metrics=metrics))
         except KeyboardInterrupt:

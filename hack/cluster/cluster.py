@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> None:
     p_up.add_argument(
         "--boot-ms",
         type=float,
-        default=float(env("SANDPOOL_CLUSTER_BOOT_MS", "1000")),
+        default=float(env("SANDPOOL_CLUSTER_BOOT_MS", "400")),
         help="simulated sandbox boot after the image is present",
     )
     p_up.add_argument(

@@ -329,3 +329,9 @@ class Backend(abc.ABC):
         """The write bucket of each cluster this backend talks to, by cluster name (none for
         a backend without a control plane)."""
         return {}
+
+    @property
+    def api_execs(self) -> int:
+        """Number of exec/attach streams this backend opened through a control plane (0 for
+        local)."""
+        return 0

@@ -202,6 +202,7 @@ class Report(BaseModel):
     ttfc: TTFCStats
     sandboxes_created: int
     api_writes: int
+    api_execs: int = 0
     resets: int
     quarantines: int
     failures: dict[str, int]
@@ -237,7 +238,7 @@ class Report(BaseModel):
             f"p99 {ms(t.p99_s)}  max {ms(t.max_s)}",
             f"  sandboxes    created {self.sandboxes_created}, warm hits {self.pool.warm_hits}/"
             f"{self.pool.claims} claims, evicted {self.pool.evicted}, lost {self.pool.lost}",
-            f"  k8s writes   {self.api_writes}",
+            f"  k8s writes   {self.api_writes}, exec streams {self.api_execs}",
             *(f"  write rate   {r.describe()}" for r in self.write_rates),
             f"  resets       {self.resets} ok, {self.quarantines} quarantined"
             + (f" (mean {ms(self.pool.reset_total_s / n_resets)}, max {ms(self.pool.reset_max_s)})"

@@ -76,7 +76,11 @@ def test_a_pod_pulls_from_the_registry_and_runs_on_the_real_node_only_when_it_as
     pod = wait_until(lambda: running(core, namespace, "real"), 120, "the real pod Running")
     assert pod.spec.node_name == real_node.name
     # the image came from the run's registry, by digest
-    assert pod.status.container_statuses[0].image_id.startswith("sandpool.test/swe-calc@sha256:")
+    pushed = json.loads(subprocess.run(
+        ["skopeo", "inspect", "--tls-verify=false", f"docker://{real_node.registry}/swe-calc:1"],
+        capture_output=True, text=True, check=True).stdout)["Digest"]
+    image_id = pod.status.container_statuses[0].image_id
+    assert image_id.startswith("sandpool.test/") and image_id.endswith("@" + pushed), image_id
     other = wait_until(lambda: core.read_namespaced_pod("kwok", namespace).spec.node_name, 60,
                        "the other pod scheduled")
     assert other.startswith("kwok-node-")

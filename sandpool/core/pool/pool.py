@@ -400,6 +400,7 @@ class SandboxPool:
             ttfc=TTFCStats.from_samples(self._ttfc),
             sandboxes_created=self.counters.created,
             api_writes=self.backend.api_writes,
+            api_execs=self.backend.api_execs,
             resets=self.counters.resets,
             quarantines=self.counters.quarantines,
             failures=failures,

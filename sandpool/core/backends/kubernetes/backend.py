@@ -244,6 +244,11 @@ class KubernetesBackend(Backend):
         return {self.throttle.rate.cluster: self.throttle.rate}
 
     @property
+    def api_execs(self) -> int:
+        """Exec and attach streams this backend opened (agent sessions, per-command execs)."""
+        return self._http.execs
+
+    @property
     def presessions_adopted(self) -> int:
         """Claims that adopted a session opened on their warm pod (see ``presessions``)."""
         return self._presessions.adopted if self._presessions is not None else 0
