@@ -1,5 +1,6 @@
 """Grading: the reward the task's own harness gives the policy's change.
 
+:class:`DiffGrader` is the rollout accountant's grader (:class:`sandpool.core.rollout.Grader`).
 Modules, in the order a rollout meets them:
 
 * :mod:`~sandpool.envs.grading.capture`: the policy's change, taken as a patch from its sandbox;
@@ -12,11 +13,13 @@ Modules, in the order a rollout meets them:
 * :mod:`~sandpool.envs.grading.pytest_log`: pytest's ``-rA`` log, read as SWE-bench reads it;
 * :mod:`~sandpool.envs.grading.verdict`: the signed report (``sandbox_side/verdict_plugin.py``)
   and the cross-checks a verdict rests on;
+* :mod:`~sandpool.envs.grading.grader`: the three steps as the accountant's grader;
 * :mod:`~sandpool.envs.grading.validate`: gold and empty patch on every task, before rollouts;
 * :mod:`~sandpool.envs.grading.inplace`: grading the sandbox the policy left, with a list of
   known tricks undone (``sandbox_side/prepare.py``): what diff grading replaces.
 """
 
+from sandpool.envs.grading.grader import DiffGrader
 from sandpool.envs.grading.inplace import grade
 from sandpool.envs.grading.pytest_log import (
     TestStatus,
@@ -29,6 +32,7 @@ from sandpool.envs.grading.pytest_log import (
 from sandpool.envs.grading.verdict import GradeResult
 
 __all__ = [
+    "DiffGrader",
     "GradeResult",
     "TestStatus",
     "files_of_tests",
