@@ -6,6 +6,7 @@ driven through the same events on real bubblewrap sandboxes give the same outcom
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import gymnasium as gym
 import pytest
@@ -111,3 +112,155 @@ def test_a_gymnasium_step_reports_what_the_accountant_recorded(test_images_root,
         assert [r.outcome for r in env.unwrapped.report().rollouts] == [Outcome.TASK_FAILED, Outcome.INFRA_FAILED]
     finally:
         env.close()
+
+
+# -- the accountant's own rules, on the memory backend and on bubblewrap --------------------------
+
+
+class _CountingGrader:
+    """A grader whose first ``fail_scores`` scorings find their sandbox dead (as an OOM kill or
+    an eviction of the grading sandbox would); it records every sandbox and patch it saw."""
+
+    def __init__(self, fail_scores: int = 0, reward: float = 1.0) -> None:
+        self.fail_scores, self.reward = fail_scores, reward
+        self.captured: list[str] = []
+        self.scored: list[tuple[str, bytes]] = []
+
+    async def capture(self, lease, task):  # type: ignore[no-untyped-def]
+        self.captured.append(lease.id)
+        return f"patch of {lease.id}".encode()
+
+    async def score(self, sandbox, task, patch):  # type: ignore[no-untyped-def]
+        from sandpool.core.rollout import Score
+
+        self.scored.append((sandbox.id, patch))
+        if len(self.scored) <= self.fail_scores:
+            sandbox.sandbox.dead = True
+            await sandbox.exec("true")  # raises SandboxDied
+        return Score(self.reward)
+
+
+def _mem_task(i: int = 1) -> Task:
+    return Task(instance_id=f"t-{i}", repo="r", base_commit=f"{i:040x}", image="img-a", problem_statement="p")
+
+
+async def _act(lease) -> None:  # type: ignore[no-untyped-def]
+    await lease.exec("edit")
+
+
+async def test_an_infra_death_while_scoring_scores_the_same_patch_on_another_sandbox():
+    from sandpool.core import SandboxPool
+    from sandpool.core.rollout import run_rollout
+
+    from .memory_backend import MemoryBackend
+
+    grader = _CountingGrader(fail_scores=1)
+    async with SandboxPool(MemoryBackend(), "reuse") as pool:
+        r = await run_rollout(pool, _mem_task(), _act, grader=grader, retries=0, grade_retries=1)
+    assert (r.outcome.value, r.reward, r.attempts) == ("completed", 1.0, 1)
+    [acted] = grader.captured  # the policy ran once
+    (first, p1), (second, p2) = grader.scored
+    assert p1 == p2 == f"patch of {acted}".encode() and first != second
+    assert r.sandbox_id == acted  # the record names the sandbox the policy acted in
+
+
+async def test_infra_past_the_grade_retries_is_infra_failed_never_a_reward():
+    from sandpool.core import SandboxPool
+    from sandpool.core.rollout import run_rollout
+
+    from .memory_backend import MemoryBackend
+
+    grader = _CountingGrader(fail_scores=3)
+    async with SandboxPool(MemoryBackend(), "reuse") as pool:
+        r = await run_rollout(pool, _mem_task(), _act, grader=grader, retries=2, grade_retries=2)
+        assert pool.counters.infra_errors["sandbox_died"] == 3
+    assert (r.outcome.value, r.reward, r.error_kind) == ("infra_failed", None, "sandbox_died")
+    assert len(grader.captured) == 1 and len(grader.scored) == 3  # never re-ran the policy
+
+
+async def test_a_file_errno_in_an_action_is_a_result_and_anything_else_ends_the_rollout():
+    import errno
+
+    from sandpool.core import SandboxPool
+    from sandpool.core.rollout import Rollout
+
+    from .memory_backend import MemoryBackend
+
+    results = []
+    async with SandboxPool(MemoryBackend(), "reuse") as pool:
+        r = Rollout(pool, _mem_task(), grader=_CountingGrader(), on_result=results.append)
+        lease = await r.claim(probe=False)
+        lease.sandbox.fail_next_exec = errors.sandbox_file_error(errno.EACCES, "/etc/x")
+        with pytest.raises(PermissionError):
+            async with r.action() as lease:
+                await lease.exec("touch /etc/x")
+        assert not r.ended and results == []
+        lease.sandbox.fail_next_exec = errors.SandboxExhausted("its processes exhausted the sandbox")
+        with pytest.raises(errors.SandboxExhausted):
+            async with r.action() as lease:
+                await lease.exec("fork bomb")
+        assert r.ended and [(x.outcome.value, x.reward, x.error_kind) for x in results] == [
+            ("task_failed", 0.0, "sandbox_exhausted")]
+        with pytest.raises(errors.PoolClosed):
+            await r.finish()
+        assert await r.fail(errors.SandboxDied("later")) is results[0]  # one rollout, one record
+
+
+async def test_a_sandbox_that_failed_under_the_policy_is_never_graded():
+    from sandpool.core import SandboxPool
+    from sandpool.core.rollout import run_rollout
+
+    from .memory_backend import MemoryBackend
+
+    async def swallows_infra(lease) -> None:  # type: ignore[no-untyped-def]
+        lease.sandbox.fail_next_exec = errors.ExecTransportError("channel broke")
+        with contextlib.suppress(errors.ExecTransportError):
+            await lease.exec("true")
+
+    grader = _CountingGrader()
+    async with SandboxPool(MemoryBackend(), "reuse") as pool:
+        r = await run_rollout(pool, _mem_task(), swallows_infra, grader=grader, retries=0)
+    assert (r.outcome.value, r.reward, r.error_kind) == ("infra_failed", None, "exec_transport")
+    assert grader.captured == [] and grader.scored == []
+
+
+class _KillsItsFirstGradingSandbox:
+    """A real diff grader in miniature: the policy's ``git diff``, applied on the pristine
+    sandbox and graded by the task's tests; its first scoring sandbox is killed from the host."""
+
+    def __init__(self, backend: LocalBackend) -> None:
+        self.backend, self.scored = backend, []
+
+    async def capture(self, lease, task):  # type: ignore[no-untyped-def]
+        return (await lease.exec("git diff", timeout=60)).stdout
+
+    async def score(self, sandbox, task, patch):  # type: ignore[no-untyped-def]
+        from sandpool.core.rollout import Score
+
+        self.scored.append(sandbox.id)
+        assert (await sandbox.exec("git status --porcelain; ls -A /tmp", timeout=60)).text == ""
+        if len(self.scored) == 1:
+            self.backend.kill(sandbox.sandbox)
+            await until(lambda: not sandbox.sandbox.alive(), "the killed sandbox's channel to close")
+        await sandbox.write_file("/tmp/p.diff", patch)
+        res = await sandbox.exec("git apply /tmp/p.diff && python -m pytest -q test_calc.py", timeout=120)
+        return Score(1.0 if res.ok else 0.0)
+
+
+async def test_a_real_grading_sandbox_killed_from_the_host_is_scored_again_on_a_pristine_one(
+        test_images_root, calc_task):
+    from sandpool.core import SandboxPool
+    from sandpool.core.rollout import run_rollout
+
+    backend = LocalBackend(test_images_root)
+    grader = _KillsItsFirstGradingSandbox(backend)
+
+    async def oracle(lease) -> None:  # type: ignore[no-untyped-def]
+        await lease.write_file("/tmp/gold.patch", calc_task.patch.encode())
+        assert (await lease.exec("git apply /tmp/gold.patch && echo x > /tmp/left", timeout=60)).ok
+
+    async with SandboxPool(backend, "reuse") as pool:
+        r = await run_rollout(pool, calc_task, oracle, grader=grader, retries=0, grade_retries=1)
+        assert pool.counters.infra_errors.get("sandbox_died") == 1
+    assert (r.outcome.value, r.reward, r.attempts) == ("completed", 1.0, 1)
+    assert len(grader.scored) == 2 and grader.scored[0] != grader.scored[1]

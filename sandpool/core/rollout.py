@@ -383,7 +383,7 @@ class Rollout:
         while True:
             try:
                 lease = await self.claim(probe=False)
-            except errors.SandpoolError:
+            except Exception:
                 if self.result is None:  # fatal: not recorded
                     raise
                 return self.result
