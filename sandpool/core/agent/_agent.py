@@ -76,9 +76,8 @@ class _Capture:
 
     Draining to EOF means a chatty child never blocks on a full pipe. The thread reads only
     while it holds ``_lock``, so once the command has exited :meth:`finish` takes what the
-    pipe still holds itself: whether the thread has been scheduled since does not matter.
-    (Before, the exec gave the thread 0.2 s after the exit; on a loaded node a thread starved
-    that long lost the output of a command that had succeeded.)
+    pipe still holds itself: whether the thread has been scheduled since does not matter (on
+    a loaded node a starved thread would otherwise lose a finished command's output).
     """
 
     def __init__(self, stream, cap):

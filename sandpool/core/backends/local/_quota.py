@@ -8,10 +8,10 @@ host disk is never filled past the quota, and the in-place reset frees what the 
 The file costs host disk only for what is written (sparse).
 
 Why a loop filesystem: a size-limited tmpfs would charge the files to the sandbox's memory
-limit (RAM), and project quotas need a host filesystem formatted for them. Start cost, measured
-on the 2-core test machine: mkfs per sandbox ~20-80 ms, so an empty filesystem is formatted once
-per size (a *template*, ~2 MB of metadata) and each sandbox copies it sparsely and mounts it,
-~50 ms in all (a tmpfs mount is ~1 ms); the benchmark reports the cold start with it.
+limit (RAM), and project quotas need a host filesystem formatted for them. A mkfs per sandbox
+would put a format on every start, so an empty filesystem is formatted once per size (a
+*template*) and each sandbox copies it sparsely and mounts it; the benchmark reports the cold
+start with it.
 """
 
 from __future__ import annotations
