@@ -100,7 +100,6 @@ async def main() -> None:
 
 async def kubernetes(args: argparse.Namespace, root: Path, task: Task, env: Path) -> None:
     from sandpool.core.backends.kubernetes import KubernetesBackend
-    from sandpool.core.backends.kubernetes._service import start_service
     from sandpool.integrations.openhands.pod_server import agent_server_pod_service
     from tests.cluster.kwok_images import local_pack_image_map
 
@@ -115,7 +114,7 @@ async def kubernetes(args: argparse.Namespace, root: Path, task: Task, env: Path
             sb = await plain.create(task.image)
             create.append(time.monotonic() - t0)
             t0 = time.monotonic()
-            await start_service(sb, spec)  # what a served backend adds to each creation
+            await sb.start_service(spec)  # what a served backend adds to each creation
             server.append(time.monotonic() - t0)
             await plain.delete(sb)
     finally:

@@ -19,7 +19,8 @@ from yarl import URL
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes import _manifests as m
 from sandpool.core.backends.kubernetes._errors import Channel, for_status, translate
-from sandpool.core.backends.kubernetes._exec import ExecTarget, build_argv, parse_status
+from sandpool.core.backends.kubernetes._channel import parse_status
+from sandpool.core.backends.kubernetes._exec import ExecTarget, build_argv
 from sandpool.core.backends.kubernetes._http import (
     KubeHttp,
     Throttle,
@@ -304,37 +305,6 @@ async def test_a_refused_connection_becomes_api_error_after_retries():
             await http.request("GET", "/version")
     finally:
         await client.close()
-
-
-async def test_agent_client_matches_answers_split_across_frames_and_fails_pending_calls():
-    from sandpool.core.agent.client import AgentClient
-
-    sent: list[bytes] = []
-
-    async def send(data: bytes) -> None:
-        sent.append(data)
-
-    c = AgentClient("sb", send)
-    c.feed(b'{"id": 0, "ready": true}\n')
-    assert (await c.ready(1))["ready"]
-    call = asyncio.create_task(c.exec("echo hi", timeout=5, cwd="/testbed", env={}, max_output=9))
-    await asyncio.sleep(0)
-    req = json.loads(sent[0])
-    assert (req["op"], req["cmd"], req["cwd"], req["max_output"]) == ("exec", "echo hi", "/testbed", 9)
-    answer = json.dumps({"id": req["id"], "exit_code": 3, "stdout": "aGkK", "stderr": "",
-                         "stdout_truncated": False, "stderr_truncated": False,
-                         "timed_out": False, "duration_s": 0.1}).encode() + b"\n"
-    c.feed(answer[:7])  # a stream splits lines anywhere
-    c.feed(answer[7:])
-    res = await call
-    assert (res.exit_code, res.stdout) == (3, b"hi\n")
-    pending = asyncio.create_task(c.processes())
-    await asyncio.sleep(0)
-    c.feed(b"not json\n")
-    with pytest.raises(errors.ExecTransportError, match="garbled"):
-        await pending
-    with pytest.raises(errors.ExecTransportError, match="garbled"):
-        await c.kill_strays()  # the channel stays failed
 
 
 @pytest.mark.parametrize(

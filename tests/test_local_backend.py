@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, errors, run_rollout
-from sandpool.core.backends.local import LocalBackend, LocalSandbox, reap_stale
+from sandpool.core.agent.client import AgentClient
+from sandpool.core.backends.local import LocalBackend, reap_stale
 
 from .conftest import CALC_IMAGE
 from .waiting import exec_past_marker, until
@@ -169,12 +170,12 @@ async def test_reset_that_does_not_take_is_caught_by_verification_and_quarantine
 ):
     # The agent answers "restored" but does nothing (a broken or subverted agent): the host
     # compares the overlay with the image itself, so the sandbox is quarantined, not reused.
-    real_call = LocalSandbox._call
+    real_call = AgentClient.call
 
     async def lying_call(self, op, wait_s, **fields):
         return {"failed": []} if op == "restore" else await real_call(self, op, wait_s, **fields)
 
-    monkeypatch.setattr(LocalSandbox, "_call", lying_call)
+    monkeypatch.setattr(AgentClient, "call", lying_call)
     async with SandboxPool(LocalBackend(test_images_root), "reuse", PoolLimits(max_live=2)) as pool:
         async with pool.claim(calc_task) as lease:
             await lease.exec("echo policy >> calc.py")

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from sandpool.core import PoolLimits, SandboxPool, errors
+from sandpool.core.agent.client import AgentClient
 from sandpool.core.backends.local import _idmap, _overlay
 from sandpool.core.backends.local import LocalBackend, image_dir
 from sandpool.core.reset import SAFE_GIT, restore_git_metadata
@@ -208,12 +209,12 @@ async def test_restore_git_metadata_disarms_planted_code_and_keeps_the_policy_s_
 async def test_restore_git_metadata_raises_when_git_cannot_be_restored(local_backend, monkeypatch):
     sb = await local_backend.create(CALC_IMAGE)
     await sb.exec("printf '#!/bin/sh\\ntrue\\n' > .git/hooks/post-checkout; chmod +x .git/hooks/post-checkout")
-    real_call = type(sb)._call
+    real_call = AgentClient.call
 
     async def lying_call(self, op, wait_s, **fields):
         return {"failed": []} if op == "restore" else await real_call(self, op, wait_s, **fields)
 
-    monkeypatch.setattr(type(sb), "_call", lying_call)
+    monkeypatch.setattr(AgentClient, "call", lying_call)
     with pytest.raises(errors.ResetError, match="post-checkout"):
         await restore_git_metadata(sb)
 

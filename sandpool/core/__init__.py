@@ -27,6 +27,7 @@ from sandpool.core.metrics import Outcome, Report, RolloutResult, TTFCStats, Wor
 from sandpool.core.pool import Lease, PoolLimits, PoolState, SandboxPool
 from sandpool.core.reset import ResetOutcome, reset_in_place
 from sandpool.core.rollout import Episode, run_rollout
+from sandpool.core.service import ServiceSpec
 from sandpool.core.strategies import Cold, Reuse, Strategy, Warm, get_strategy
 from sandpool.core.task import Task
 from sandpool.core.telemetry import PoolMetrics
@@ -64,6 +65,7 @@ __all__ = [
     "SandboxStartError",
     "SandboxState",
     "SandpoolError",
+    "ServiceSpec",
     "Strategy",
     "TTFCStats",
     "Task",

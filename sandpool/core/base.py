@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import abc
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import TYPE_CHECKING
 
+from sandpool.core import errors
 from sandpool.core.rate import AdaptiveRate
 from sandpool.core.telemetry import NO_METRICS, Telemetry
+
+if TYPE_CHECKING:
+    from sandpool.core.service import ServiceStream
 
 __all__ = [
     "Backend",
@@ -107,6 +114,8 @@ class Sandbox(abc.ABC):
             it alone; the in-place reset empties them and checks they are empty.
         private_ipc: True when the sandbox has its own System V IPC namespace (the reset
             then removes every IPC object in it); False where it may be shared with others.
+        service_env: The environment its service (:class:`~sandpool.core.service.ServiceSpec`)
+            was started with, its secrets included; empty without a service.
     """
 
     id: str
@@ -115,6 +124,7 @@ class Sandbox(abc.ABC):
     head: str | None = None
     scratch: tuple[str, ...] = ("/tmp",)
     private_ipc: bool = False
+    service_env: Mapping[str, str] = MappingProxyType({})
 
     @abc.abstractmethod
     async def exec(
@@ -236,8 +246,8 @@ class Sandbox(abc.ABC):
 
         Optional (default: no service, nothing to do). The in-place reset calls it right after
         killing the rollout's processes: a service the policy could reach (its state directory,
-        its API) must forget the rollout or the sandbox is quarantined. The local backend's
-        :class:`~sandpool.core.backends.local.ServiceSpec` implements it.
+        its API) must forget the rollout or the sandbox is quarantined. The sandboxes that run
+        a :class:`~sandpool.core.service.ServiceSpec` implement it.
 
         Returns:
             What is not pristine, one sentence each (empty: pristine).
@@ -246,6 +256,28 @@ class Sandbox(abc.ABC):
             SandboxDied, ExecTransportError: As for :meth:`exec`.
         """
         return []
+
+    async def service_problems(self, *, timeout: float = 30.0) -> list[str]:
+        """Why the sandbox's service is not running as it started (gone, stopped, its limits
+        changed), one sentence each; [] when it is, or without a service.
+
+        Raises:
+            SandboxDied, ExecTransportError: As for :meth:`exec`.
+        """
+        return []
+
+    async def connect_service(self) -> ServiceStream:
+        """Open one connection to the sandbox's service (its
+        :attr:`~sandpool.core.service.ServiceSpec.socket` or ``port``).
+
+        Raises:
+            ConfigError: The sandbox runs no service this backend can connect to.
+            SandboxDied: The sandbox is gone.
+            OSError, ExecTransportError: The connection failed (nothing listens, the transport
+                broke).
+        """
+        raise errors.ConfigError(f"sandbox {self.id} runs no service to connect to; give the "
+                                 "backend a ServiceSpec with a socket (local) or port (Kubernetes)")
 
     async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
         """What the rollout changed outside the repo and ``/tmp``, seen from outside the sandbox.

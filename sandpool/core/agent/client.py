@@ -1,31 +1,36 @@
-"""The host side of the sandbox agent's JSON-lines protocol (:mod:`._agent`), over any byte
-channel.
+"""The host side of the agent's JSON-lines protocol (``_agent.py``), over any :class:`Channel`.
 
-:class:`AgentClient` multiplexes requests by ``id`` over one channel and decodes the
-answers into sandpool's types; it does not know how the bytes travel. The Kubernetes
-backend feeds it from one pod-exec stream (:mod:`sandpool.core.backends.kubernetes._session`); the agent itself,
-and so every exec semantic (exit codes, process-group timeouts, escapee kill, output caps,
-process listing, kill of strays), is the one :mod:`._agent` the local backend runs.
+:class:`AgentClient` frames requests as lines, matches answers to requests by ``id``, and
+decodes them into sandpool's types; how the bytes travel is its channel's business
+(:mod:`.channel`). Every exec semantic (exit codes, process-group timeouts, escapee kill,
+output caps, process listing, kill of strays, in-place restore) is the agent's, the same in
+every sandbox of every backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import json
-from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Protocol
 
 from sandpool.core import errors
+from sandpool.core.agent.channel import Channel
 from sandpool.core.base import ExecResult
 
-__all__ = ["AGENT_PATH", "AgentClient", "agent_source", "exec_result"]
+__all__ = ["AGENT_PATH", "AgentClient", "AgentOps", "AgentStarved", "agent_source", "exec_result"]
 
 #: The agent's source file, run unchanged in every sandbox of every backend.
 AGENT_PATH = Path(__file__).with_name("_agent.py")
 #: Seconds an answer may take past a command's own timeout before the channel counts as broken.
 TRANSPORT_GRACE_S = 10.0
+#: Bytes one answer line may take (a read_file answer carries the whole file, base64).
+MAX_FRAME = 256 << 20
+#: Seconds a failed write waits for the channel's account of its end.
+_END_WAIT_S = 10.0
 
 
 def agent_source() -> str:
@@ -52,52 +57,110 @@ def exec_result(msg: dict) -> ExecResult:
     )
 
 
+class AgentStarved(errors.ExecTransportError):
+    """The agent answered ``exhausted``: the kernel refused it a thread for ``op``. Infra as it
+    stands; the sandbox maps it to ``SandboxExhausted`` when its backend has evidence that the
+    sandbox's own processes spent the budget (:meth:`AgentSandbox._evidence`)."""
+
+    def __init__(self, op: str, detail: str, message: str) -> None:
+        super().__init__(message)
+        self.op = op
+        self.detail = detail
+
+
 def _retrieve(fut: asyncio.Future) -> None:
+    # Mark a failed future's exception as seen; the caller got (or will get) its own error.
     if fut.done() and not fut.cancelled():
         fut.exception()
+
+
+class AgentOps(Protocol):
+    """The agent's operations as a sandbox calls them: :class:`AgentClient`, or a backend's
+    degraded stand-in where the agent cannot run (the Kubernetes per-command exec)."""
+
+    def alive(self) -> bool:
+        """False once the channel to the agent ended."""
+
+    async def exec(self, cmd: str | list[str], *, timeout: float, cwd: str, env: dict[str, str],
+                   max_output: int) -> ExecResult:
+        """Run ``cmd`` (see :meth:`Sandbox.exec`); ``cwd`` is absolute."""
+
+    async def read_file(self, abs_path: str, shown: str) -> bytes:
+        """The bytes of ``abs_path``; raises the errno's ``SandboxFileError`` naming ``shown``."""
+
+    async def write_file(self, abs_path: str, shown: str, data: bytes, mode: int) -> None:
+        """Write ``data`` to ``abs_path``; raises the errno's ``SandboxFileError``."""
+
+    async def processes(self) -> list[str]:
+        """Command lines of every process in the sandbox but the agent's own."""
+
+    async def kill_strays(self) -> int:
+        """SIGKILL every process but the agent's own; return how many were signalled."""
 
 
 class AgentClient:
     """Requests to one agent over one channel; answers matched by ``id``.
 
-    Usage: the transport calls :meth:`feed` with the agent's stdout bytes as they arrive
-    and :meth:`fail` once the channel ends; callers use :meth:`ready`, :meth:`call` and the
-    typed helpers.
+    Created with its channel open; reads it until it ends, then fails every pending and later
+    call with the channel's account of the end (:meth:`Channel.ended`), or with
+    ``ExecTransportError`` for a garbled or oversized answer.
 
     Args:
-        name: The sandbox id (for messages).
-        send: Coroutine writing bytes to the agent's stdin.
+        channel: The byte stream to the agent.
+        name: The sandbox id, for messages; may be changed (a session adopted by a sandbox).
+
+    Attributes:
+        error: Why the channel ended, once it has.
+        calls: Requests sent.
     """
 
-    def __init__(self, name: str, send: Callable[[bytes], Awaitable[None]]) -> None:
+    def __init__(self, channel: Channel, name: str) -> None:
+        self.channel = channel
         self.name = name
-        self._send = send
+        self.error: errors.SandpoolError | None = None
+        self.calls = 0
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[dict]] = {}
         self._buf = bytearray()
+        self._scanned = 0  # bytes of _buf known to hold no newline
         self._ready: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
         self._ready.add_done_callback(_retrieve)
-        self.error: errors.SandpoolError | None = None
-        self.calls = 0
+        self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-agent-{name}")
 
-    def feed(self, data: bytes) -> None:
-        """Take bytes of the agent's stdout; dispatch every complete line.
+    def __repr__(self) -> str:
+        state = f"ended: {self.error}" if self.error else "open"
+        return f"<AgentClient {self.name} {state} pending={len(self._pending)}>"
 
-        A garbled line ends the channel (:meth:`fail` with ``ExecTransportError``).
-        """
+    def alive(self) -> bool:
+        """True until the channel ended (no round trip)."""
+        return self.error is None and not self._reader.done() and self.channel.alive()
+
+    async def _read_loop(self) -> None:
+        err: errors.SandpoolError | None = None
+        while err is None:
+            data = await self.channel.read()
+            if not data:
+                break
+            err = self._feed(data)
+        if err is None:
+            err = await self.channel.ended(started=self._ready.done())
+        self._fail(err)
+
+    def _feed(self, data: bytes) -> errors.SandpoolError | None:
+        """Take bytes of the agent's stdout; dispatch every complete line. Returns the error
+        that ends the channel: a line that is not JSON, or longer than :data:`MAX_FRAME`."""
         self._buf += data
-        while (i := self._buf.find(b"\n")) >= 0:
+        while (i := self._buf.find(b"\n", self._scanned)) >= 0:
             line = bytes(self._buf[:i])
             del self._buf[: i + 1]
+            self._scanned = 0
             if not line.strip():
                 continue
             try:
                 msg = json.loads(line)
             except ValueError:
-                self.fail(errors.ExecTransportError(
-                    f"sandbox {self.name}: garbled frame from the agent: {line[:80]!r}"
-                ))
-                return
+                return errors.ExecTransportError(
+                    f"sandbox {self.name}: garbled frame from the agent: {line[:80]!r}")
             rid = msg.get("id")
             if rid == 0:
                 if not self._ready.done():
@@ -106,9 +169,13 @@ class AgentClient:
             fut = self._pending.pop(rid, None)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        self._scanned = len(self._buf)
+        if self._scanned > MAX_FRAME:
+            return errors.ExecTransportError(
+                f"sandbox {self.name}: an answer from the agent is over {MAX_FRAME >> 20} MiB")
+        return None
 
-    def fail(self, err: errors.SandpoolError) -> None:
-        """The channel ended: every pending and later call raises ``err``."""
+    def _fail(self, err: errors.SandpoolError) -> None:
         if self.error is None:
             self.error = err
         if not self._ready.done():
@@ -123,7 +190,7 @@ class AgentClient:
 
         Raises:
             TimeoutError: Not within ``timeout`` seconds.
-            SandpoolError: The error the channel failed with.
+            SandpoolError: Why the channel ended first.
         """
         return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
 
@@ -131,8 +198,9 @@ class AgentClient:
         """Send one request and return its answer.
 
         Raises:
-            ExecTransportError: No answer within ``wait_s``, or the agent failed the op.
-            SandpoolError: The channel's error (e.g. ``SandboxDied``) when it ended.
+            ExecTransportError: No answer within ``wait_s``, or the agent failed the op
+                (:class:`AgentStarved`: it could not get a thread for it).
+            SandpoolError: Why the channel ended, when it did (e.g. ``SandboxDied``).
         """
         if self.error is not None:
             raise self.error
@@ -141,34 +209,49 @@ class AgentClient:
         self._pending[rid] = fut
         self.calls += 1
         try:
-            await self._send(json.dumps({"id": rid, "op": op, **fields}).encode() + b"\n")
+            try:
+                await self.channel.write(json.dumps({"id": rid, "op": op, **fields}).encode() + b"\n")
+            except errors.SandpoolError as exc:
+                # The stream broke under the write: the channel's account of its end says
+                # whether the agent died, and how.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._reader), _END_WAIT_S)
+                raise (self.error or exc) from exc
             msg = await asyncio.wait_for(fut, wait_s)
         except TimeoutError:
             raise errors.ExecTransportError(
-                f"sandbox {self.name}: no answer to {op!r} within {wait_s:.0f} s"
-            ) from None
+                f"sandbox {self.name}: no answer to {op!r} within {wait_s:.0f} s") from None
         finally:
             self._pending.pop(rid, None)
-            _retrieve(fut)
-        if msg.get("error") in ("agent_exception", "exhausted"):
-            raise errors.ExecTransportError(
-                f"sandbox {self.name}: agent failed {op!r}: {msg['message']}"
-            )
+            _retrieve(fut)  # the reader may have failed it while we were raising something else
+        if msg.get("error") == "exhausted":
+            raise AgentStarved(op, msg["message"], f"sandbox {self.name}: agent failed {op!r}: "
+                               f"{msg['message']}")
+        if msg.get("error") == "agent_exception":
+            raise errors.ExecTransportError(f"sandbox {self.name}: agent failed {op!r}: {msg['message']}")
         return msg
+
+    async def aclose(self, why: str = "closed by sandpool") -> None:
+        """Close the channel and wait (briefly) for its end; later calls raise ``SandboxDied``
+        naming ``why``. Idempotent."""
+        await self.channel.aclose()
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._reader), 5.0)
+        if not self._reader.done():
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        self._fail(errors.SandboxDied(f"sandbox {self.name}: {why}"))
 
     def _raise_os_error(self, msg: dict, path: str) -> None:
         if msg.get("error") == "os_error":
             raise errors.sandbox_file_error(int(msg["errno"]), path, f"in sandbox {self.name}")
 
-    async def exec(
-        self, cmd: str | list[str], *, timeout: float, cwd: str, env: dict[str, str],
-        max_output: int,
-    ) -> ExecResult:
+    async def exec(self, cmd: str | list[str], *, timeout: float, cwd: str, env: dict[str, str],
+                   max_output: int) -> ExecResult:
         """Run ``cmd`` (see :meth:`Sandbox.exec`); ``cwd`` is absolute."""
-        msg = await self.call(
-            "exec", timeout + TRANSPORT_GRACE_S, cmd=cmd, timeout=timeout, cwd=cwd, env=env,
-            max_output=max_output,
-        )
+        msg = await self.call("exec", timeout + TRANSPORT_GRACE_S, cmd=cmd, timeout=timeout,
+                              cwd=cwd, env=env, max_output=max_output)
         return exec_result(msg)
 
     async def read_file(self, abs_path: str, shown: str) -> bytes:
@@ -179,9 +262,8 @@ class AgentClient:
 
     async def write_file(self, abs_path: str, shown: str, data: bytes, mode: int) -> None:
         """Write ``data`` to ``abs_path``; raises the errno's ``SandboxFileError``."""
-        msg = await self.call(
-            "write_file", 60.0, path=abs_path, data=base64.b64encode(data).decode(), mode=mode
-        )
+        msg = await self.call("write_file", 60.0, path=abs_path,
+                              data=base64.b64encode(data).decode(), mode=mode)
         self._raise_os_error(msg, shown)
 
     async def processes(self) -> list[str]:
@@ -191,3 +273,15 @@ class AgentClient:
     async def kill_strays(self) -> int:
         """SIGKILL every process but the agent (and init); return how many were signalled."""
         return int((await self.call("kill_strays", 30.0))["killed"])
+
+    async def restore(self, root: str, image: str, changes: list[list[str]],
+                      pinned: dict[str, dict], timeout: float) -> dict:
+        """Make each repo-relative path of ``changes`` under ``root`` what it is under
+        ``image`` (the agent's ``restore`` op); its answer: ``failed`` (one message each) and
+        ``errnos`` (those the failures had)."""
+        return await self.call("restore", timeout, root=root, image=image, changes=changes,
+                               pinned=pinned)
+
+    async def start_service(self, argv: list[str], env: dict[str, str], cwd: str | None) -> int:
+        """Start a long-lived service process, spared by ``ps`` and ``kill_strays``; its pid."""
+        return int((await self.call("service", 30.0, argv=argv, env=env, cwd=cwd))["pid"])

@@ -67,17 +67,23 @@ from pydantic import Field
 from sandpool.core import errors
 from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.backends.local import LocalBackend
+from sandpool.core.base import Sandbox
 from sandpool.core.pool import Lease, PoolLimits, SandboxPool
 from sandpool.core.task import Task
 from sandpool.envs.grading import grade
 from sandpool.envs.tasks import load_tasks
-from sandpool.integrations.openhands.relay import UnixRelay
-from sandpool.integrations.openhands.server import SESSION_KEY, SOCKET, agent_server_env, agent_server_service, installed_versions
+from sandpool.integrations.openhands.relay import Relay
+from sandpool.integrations.openhands.server import SESSION_KEY, agent_server_env, agent_server_service, installed_versions
 
 __all__ = ["SandpoolAppLifespanService", "SandpoolSandboxService", "SandpoolSandboxServiceInjector",
            "SandpoolSandboxSpecServiceInjector"]
 
 _logger = logging.getLogger(__name__)
+
+
+def _relay(sandbox: Sandbox) -> Relay:
+    """A relay to ``sandbox``'s agent-server (:meth:`Sandbox.connect_service`)."""
+    return Relay(sandbox.connect_service, f"sandbox {sandbox.id}'s agent-server")
 
 
 def _tasks(path: str) -> dict[str, Task]:
@@ -92,7 +98,7 @@ class _Sandbox:
     lease: Lease
     spec_id: str
     user_id: str | None
-    relay: UnixRelay | None
+    relay: Relay | None
     status: SandboxStatus = SandboxStatus.RUNNING
     created_at: datetime = field(default_factory=utc_now)
 
@@ -157,7 +163,7 @@ class SandpoolSandboxService(SandboxService):
             status = SandboxStatus.ERROR
         running = status is SandboxStatus.RUNNING and sb.relay is not None
         urls = [ExposedUrl(name=AGENT_SERVER, url=sb.relay.url, port=sb.relay.port)] if running else None
-        key = sb.lease.sandbox.service_env.get(SESSION_KEY) if running else None  # type: ignore[attr-defined]
+        key = sb.lease.sandbox.service_env.get(SESSION_KEY) if running else None
         return SandboxInfo(id=sandbox_id, created_by_user_id=sb.user_id, sandbox_spec_id=sb.spec_id,
                            status=status, session_api_key=key, exposed_urls=urls, created_at=sb.created_at)
 
@@ -176,7 +182,7 @@ class SandpoolSandboxService(SandboxService):
 
     def _by_key(self, key: str) -> tuple[str, _Sandbox] | None:
         for sid, sb in _STATE.sandboxes.items():
-            if secrets.compare_digest(sb.lease.sandbox.service_env.get(SESSION_KEY, ""), key):  # type: ignore[attr-defined]
+            if secrets.compare_digest(sb.lease.sandbox.service_env.get(SESSION_KEY, ""), key):
                 return sid, sb
         return None
 
@@ -206,7 +212,7 @@ class SandpoolSandboxService(SandboxService):
         try:
             lease = await pool.acquire(task)
             await lease.exec("git rev-parse HEAD", timeout=30.0)  # first command: TTFC
-            relay = UnixRelay(lease.sandbox.service_dir / SOCKET.rsplit("/", 1)[1])  # type: ignore[attr-defined]
+            relay = _relay(lease.sandbox)
             await relay.start()
         except errors.SandpoolError as exc:
             raise SandboxError(f"sandpool could not start a sandbox for {task.instance_id}: {exc}") from exc
@@ -233,7 +239,7 @@ class SandpoolSandboxService(SandboxService):
             return False
         if sb.status is SandboxStatus.PAUSED:
             await _STATE.pool.backend.freeze(sb.lease.sandbox, frozen=False)  # type: ignore[union-attr]
-            sb.relay = UnixRelay(sb.lease.sandbox.service_dir / SOCKET.rsplit("/", 1)[1])  # type: ignore[attr-defined]
+            sb.relay = _relay(sb.lease.sandbox)
             await sb.relay.start()
             sb.status = SandboxStatus.RUNNING
         return True

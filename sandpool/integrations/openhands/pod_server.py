@@ -24,7 +24,7 @@ The server's state (conversations, bash events, tmux sockets) lives in the pod's
 directory (``$SANDPOOL_POD_RUN/service``, else ``/run/sandpool/service``), outside the repo and
 outside ``/tmp``; its ``HOME`` is the pod's. The policy can write that directory, so the
 in-place reset holds the server to its fresh state as on the local backend
-(``PodService.reset_argv``: every conversation and bash event deleted through the server's
+(``ServiceSpec.reset_argv``: every conversation and bash event deleted through the server's
 API, then the directory's tree compared with the fresh one; anything else quarantines).
 Not ported from the local launcher: its non-dumpable flag and its refusal to import from
 writable directories, which would refuse everything on kwok, whose pod processes are host
@@ -37,7 +37,7 @@ import subprocess
 from pathlib import Path
 
 from sandpool.core import errors
-from sandpool.core.backends.kubernetes._service import PodService
+from sandpool.core.service import ServiceSpec
 from sandpool.integrations.openhands.server import SESSION_KEY, agent_server_env, reset_steps
 
 __all__ = ["POD_PORT", "agent_server_pod_service"]
@@ -88,7 +88,7 @@ _READY = (
 )
 
 
-# PodService.reset_argv: the reset steps (server.reset_steps, shared with the local backend)
+# ServiceSpec.reset_argv: the reset steps (server.reset_steps, shared with the local backend)
 # over the pod's port.
 _RESET = _READY.split("while True:")[0] + reset_steps(
     "'127.0.0.1', port", "os.path.join(os.environ.get('SANDPOOL_POD_RUN', '/run/sandpool'), 'service', 'tmux')")
@@ -101,8 +101,8 @@ def agent_server_pod_service(
     python_path: tuple[str, ...] = (),
     port: int = POD_PORT,
     ready_timeout: float = 600.0,
-) -> PodService:
-    """The :class:`PodService` that runs the agent-server in every pod of a Kubernetes backend.
+) -> ServiceSpec:
+    """The :class:`ServiceSpec` that runs the agent-server in every pod of a Kubernetes backend.
 
     Usage: ``KubernetesBackend(..., service=agent_server_pod_service(preload=("my_llm",),
     python_path=(d,)))``.
@@ -140,6 +140,6 @@ def agent_server_pod_service(
         "OPENHANDS_SUPPRESS_BANNER": "1",
         "LITELLM_LOCAL_MODEL_COST_MAP": "True",
     }  # PATH stays the pod's: the agent's terminal commands run the task image's tools
-    return PodService(argv=(py, "-I", "-c", _LAUNCHER), port=port, env=service_env, secret_env=(SESSION_KEY,),
-                      ready_argv=(py, "-I", "-c", _READY, str(port)), ready_timeout=ready_timeout,
-                      reset_argv=(py, "-I", "-c", _RESET, str(port)))
+    return ServiceSpec(argv=(py, "-I", "-c", _LAUNCHER), port=port, env=service_env, secret_env=(SESSION_KEY,),
+                       ready_argv=(py, "-I", "-c", _READY, str(port)), ready_timeout=ready_timeout,
+                       reset_argv=(py, "-I", "-c", _RESET, str(port)))

@@ -33,7 +33,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 from sandpool.core import errors
-from sandpool.core.backends.local import SERVICE_DIR, ServiceSpec
+from sandpool.core.backends.local import SERVICE_DIR
+from sandpool.core.service import ServiceSpec
 from sandpool.core.paths import sandpool_home
 
 __all__ = ["AGENT_SERVER_VERSION", "SESSION_KEY", "SOCKET", "agent_server_env", "agent_server_service",
@@ -280,5 +281,6 @@ def agent_server_service(
     py = f"{env}/bin/python"
     # Each sandbox's server demands its own X-Session-API-Key (LocalSandbox.service_env).
     return ServiceSpec(argv=(py, "-I", "-c", _LAUNCHER), env=service_env, binds=binds, secret_env=(SESSION_KEY,),
+                       socket=SOCKET.rsplit("/", 1)[1],
                        ready_argv=(py, "-I", "-c", _READY, SOCKET), ready_timeout=ready_timeout,
                        reset_argv=(py, "-I", "-c", _RESET))

@@ -31,11 +31,12 @@ from pydantic import Field, PrivateAttr
 from pydantic.json_schema import SkipJsonSchema
 
 from sandpool.core import errors
+from sandpool.core.base import Sandbox
 from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
 from sandpool.envs.grading import GradeResult, grade
-from sandpool.integrations.openhands.relay import Relay, UnixRelay
-from sandpool.integrations.openhands.server import SESSION_KEY, SOCKET
+from sandpool.integrations.openhands.relay import Relay
+from sandpool.integrations.openhands.server import SESSION_KEY
 
 __all__ = ["SandpoolWorkspace"]
 
@@ -43,19 +44,13 @@ T = TypeVar("T")
 _PROBE = "git rev-parse HEAD"  # the first command: sets TTFC, proves the sandbox answers
 
 
-def _relay_for(sandbox: Any) -> Relay | None:
-    """The relay to ``sandbox``'s agent-server: its unix socket (local backend), or its port
-    through ``pods/portforward`` (Kubernetes backend); None when it runs no server."""
+def _relay_for(sandbox: Sandbox) -> Relay:
+    """The relay to ``sandbox``'s agent-server (:meth:`Sandbox.connect_service`: its unix
+    socket on the local backend, its port through ``pods/portforward`` on Kubernetes)."""
     def gone() -> str | None:
         return None if sandbox.alive() else f"sandbox {sandbox.id} died"
 
-    service_dir = getattr(sandbox, "service_dir", None)
-    if service_dir is not None:
-        return UnixRelay(service_dir / SOCKET.rsplit("/", 1)[1], gone=gone)
-    port = getattr(sandbox, "service_port", None)
-    if port is not None:
-        return Relay(lambda: sandbox.open_port(port), f"pod {sandbox.pod}:{port}", gone=gone)
-    return None
+    return Relay(sandbox.connect_service, f"sandbox {sandbox.id}'s agent-server", gone=gone)
 
 
 class SandpoolWorkspace(RemoteWorkspace):
@@ -102,15 +97,14 @@ class SandpoolWorkspace(RemoteWorkspace):
         lease = self._run(pool.acquire(self.task, timeout=self.claim_timeout))
         self._lease = lease
         try:
-            relay = _relay_for(lease.sandbox)
-            key = getattr(lease.sandbox, "service_env", {}).get(SESSION_KEY)
-            if relay is None or key is None:
+            key = lease.sandbox.service_env.get(SESSION_KEY)
+            if key is None:
                 raise errors.ConfigError(
                     "the pool's sandboxes run no OpenHands agent-server; make the pool over "
                     "LocalBackend(service=agent_server_service()) or "
                     "KubernetesBackend(service=agent_server_pod_service())")
             self._run(lease.exec(_PROBE, timeout=30.0))
-            self._relay = relay
+            self._relay = _relay_for(lease.sandbox)
             self._run(self._relay.start())
             object.__setattr__(self, "host", self._relay.url)
             object.__setattr__(self, "api_key", key)
@@ -215,8 +209,7 @@ class SandpoolWorkspace(RemoteWorkspace):
         """The policy's failure when the sandbox lives but its agent-server does not (killed or
         stopped from inside: OpenHands' client then fails as if the network had); None when
         the server runs, or when the backend cannot say."""
-        probe = getattr(self.lease.sandbox, "service_problems", None)
-        problems = self._run(probe()) if probe is not None else []
+        problems = self._run(self.lease.sandbox.service_problems())
         if not problems:
             return None
         # A sandbox being killed loses its server a moment before its agent's channel closes:

@@ -8,9 +8,10 @@ shared watch per resource), :mod:`._images` (task image -> pod spec), :mod:`._cl
 :mod:`._live` (a Ready pod made a sandbox, its death), :mod:`._presession` (sessions opened
 on warm pods), :mod:`._prepull` (placement, :mod:`._placement`, and prepull),
 :mod:`._preflight` and :mod:`._gc` (deletes by object and by run id). The sandbox:
-:mod:`._sandbox` over :mod:`._session` (the agent's exec stream) and :mod:`._exec` (one exec
-per command), :mod:`._service` (a long-lived service per pod) and :mod:`._portforward` (a
-connection to a pod's port). :mod:`._errors` is the one error-translation boundary and
+:mod:`._sandbox` (an agent-backed sandbox) over :mod:`._session` (the agent over one pod
+stream, :mod:`._channel`) and :mod:`._exec` (the degraded mode: one exec per command),
+:mod:`._service` (where a pod's service lives) and :mod:`._portforward` (a connection to a
+pod's port). :mod:`._errors` is the one error-translation boundary and
 :mod:`._manifests` the objects sent.
 
 The client library (``kubernetes_asyncio``, with ``aiohttp``; the ``sandpool[kubernetes]``
@@ -27,11 +28,10 @@ __all__ = [
     "KubernetesBackend",
     "KubernetesSandbox",
     "PodImage",
-    "PodService",
     "gc",
 ]
 
-_WHERE = {"PodImage": "_manifests", "PodService": "_service"}
+_WHERE = {"PodImage": "_manifests"}
 
 
 def __getattr__(name: str) -> Any:

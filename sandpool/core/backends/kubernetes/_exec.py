@@ -1,47 +1,67 @@
-"""Exec into a pod over the exec subresource's WebSocket channel protocol.
+"""The degraded mode: one pod exec per command, where sandpool's agent cannot run.
 
-Protocols: ``v5.channel.k8s.io`` where the server offers it, else ``v4.channel.k8s.io``.
-Every binary frame starts with a channel byte: 1 stdout, 2 stderr, 3 status (a JSON
-``Status`` when the command ends), 255 close (v5). Frames are bytes, so output is binary-safe.
-Both streams are drained to the end while only ``max_output`` bytes of each are kept, so a
-chatty command never blocks on a full pipe.
-
-The command runs under a small POSIX-sh wrapper (:data:`WRAPPER`), in the pod:
+A sandbox falls back to it when its image has no interpreter for the agent, or with
+``KubernetesBackend(agent=False)``. :class:`ShellExec` then stands in for the agent's client
+(:class:`~sandpool.core.agent.client.AgentOps`): each command, file read or write, process
+listing and kill of strays opens its own exec stream through the API server and runs under a
+small POSIX-sh wrapper (:data:`WRAPPER`) in the pod:
 
 * its stdout and stderr go to files next to the repo's ``.git`` (``.git/sandpool-exec``),
   capped with ``head -c`` when it ends: a background process the command leaves running
   (``server &``) holds a file, not the exec stream, so the exec still ends when the command
   does; a trailer on stderr carries the full sizes (truncation) and the exit code;
-
 * ``timeout -s KILL <t>`` enforces the timeout server-side: GNU ``timeout`` puts the command
   in its own process group and kills the whole group on expiry;
 * every process of the exec carries ``SANDPOOL_SANDBOX=<sandbox id>`` and
   ``SANDPOOL_EXEC=<sandbox id>.<n>`` in its environment, so a process that called setsid()
   to leave the group is still found (and killed on timeout) by its marker.
+
+What it cannot do, against the agent:
+
+* errnos: ``read_file`` tells ENOENT, EISDIR and EACCES apart by shell tests, ``write_file``
+  reads the errno from coreutils' message; any other failure is an ``ExecTransportError``,
+  not the ``SandboxFileError`` the agent would give;
+* bounded reads: ``read_file`` is ``cat``, so a FIFO or a device blocks until the exec's
+  timeout (the agent refuses a path that is not a regular file with EINVAL);
+* process isolation: ``processes`` and ``kill_strays`` see only processes that carry the
+  sandbox's marker, so one that clears its environment (``env -i``) is neither listed nor
+  killed, nor is a timed-out command's escapee that did so and left its group, unless the
+  node confines each exec in a pid namespace of its own (the kwok test cluster does);
+* restore and services: there is no in-place restore of repo paths (the reset's generic path
+  runs instead) and no service (:class:`~sandpool.core.base.ServiceSpec` needs the agent);
+* privacy and load: command output passes through files under the repo's ``.git``, which the
+  policy can read, and every command is an API-server stream of its own.
 """
 
 from __future__ import annotations
 
+import base64
+import errno
 import itertools
-import json
 import re
-import signal
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from sandpool.core import errors
+from sandpool.core.backends.kubernetes._channel import (
+    PROTOCOLS,
+    STATUS,
+    STDERR,
+    STDOUT,
+    parse_status,
+    unreached,
+)
 from sandpool.core.backends.kubernetes._errors import Channel, translate
-from sandpool.core.backends.kubernetes._http import KubeHttp
 from sandpool.core.base import ExecResult
 
-__all__ = ["PROTOCOLS", "ExecTarget", "parse_status", "run_exec", "unreached"]
+if TYPE_CHECKING:
+    from sandpool.core.backends.kubernetes._http import KubeHttp
 
-PROTOCOLS = ("v5.channel.k8s.io", "v4.channel.k8s.io")
-_STDOUT, _STDERR, _STATUS = 1, 2, 3
-_EXIT_STATUS = re.compile(r"exit status (\d+)")
-_SIGNALLED = re.compile(r"signal: (\w[\w ]*)")
+__all__ = ["PROCS", "WRAPPER", "ExecTarget", "ShellExec", "build_argv", "run_exec"]
+
 #: Exit code the wrapper uses when it cannot set up the sandbox view (mounts, cwd).
 SETUP_FAILED = 125
 
@@ -119,61 +139,6 @@ class ExecTarget:
     workdir: str
 
 
-def parse_status(raw: bytes | None) -> tuple[int | None, str]:
-    """Exit code and message from the status channel's ``Status`` JSON.
-
-    ``Success`` is 0; a failure carries the code in ``details.causes[reason=ExitCode]``
-    (kubelet) or as ``exit status N`` in its message (kwok); ``signal: killed`` gives
-    ``128 + 9``. Returns ``(None, message)`` when no exit code can be read.
-    """
-    if not raw:
-        return None, "no status frame"
-    st = json.loads(raw)
-    if st.get("status") == "Success":
-        return 0, ""
-    msg = st.get("message", "")
-    for cause in (st.get("details") or {}).get("causes") or []:
-        if cause.get("reason") == "ExitCode":
-            return int(cause["message"]), msg
-    if m := _EXIT_STATUS.search(msg):
-        return int(m.group(1)), msg
-    if m := _SIGNALLED.search(msg):
-        name = "SIG" + m.group(1).strip().upper().split()[0]
-        aliases = {"SIGKILLED": "SIGKILL", "SIGTERMINATED": "SIGTERM", "SIGINTERRUPT": "SIGINT"}
-        try:
-            return 128 + signal.Signals[aliases.get(name, name)].value, msg
-        except KeyError:
-            return None, msg
-    return None, msg
-
-
-_UNREACHED = re.compile(r"error dialing backend|error sending request|dial tcp")
-
-
-def unreached(raw: bytes | None) -> str | None:
-    """The message of a status frame saying the API server could not reach the pod's node.
-
-    With the node's kubelet down or unreachable, kube-apiserver still upgrades the exec
-    stream, then ends it with a ``Failure`` status (``InternalError``, code 500: "error
-    dialing backend: dial tcp ..."; kwok's "error sending request: ... dial tcp ...") and no
-    exit code: the command never started, so running it again cannot run it twice.
-
-    Returns:
-        The status message, or None for any other status (an exit code, a failure after the
-        command started, no or garbled status).
-    """
-    try:
-        st = json.loads(raw or b"")
-    except ValueError:
-        return None
-    if not isinstance(st, dict) or st.get("status") != "Failure":
-        return None
-    if any(c.get("reason") == "ExitCode" for c in (st.get("details") or {}).get("causes") or []):
-        return None
-    msg = str(st.get("message", ""))
-    return msg if _UNREACHED.search(msg) else None
-
-
 def build_argv(
     target: ExecTarget,
     exec_id: str,
@@ -241,15 +206,15 @@ async def _drain(
             if not data:
                 continue
             ch, payload = data[0], data[1:]
-            if ch == _STDOUT:
+            if ch == STDOUT:
                 room = cap - len(out)
                 out += payload[: max(room, 0)]
                 out_cut |= len(payload) > room
-            elif ch == _STDERR:
+            elif ch == STDERR:
                 room = cap - len(err)
                 err += payload[: max(room, 0)]
                 err_cut |= len(payload) > room
-            elif ch == _STATUS:
+            elif ch == STATUS:
                 status = (status or b"") + payload
     except errors.SandpoolError:
         raise
@@ -332,3 +297,111 @@ async def run_exec(
         timed_out=timed_out,
         duration_s=duration,
     ), ws.protocol or "v4.channel.k8s.io"
+
+
+_FILE_CHUNK = 48 << 10  # bytes per write_file exec (base64 in one argv element < 128 KiB)
+# read_file's exit codes for the errnos a policy's path can cause.
+_READ = (
+    '[ -e "$1" ] || exit 44; [ ! -d "$1" ] || exit 45; [ -r "$1" ] || exit 46; exec cat -- "$1"'
+)
+_READ_ERRNO = {44: errno.ENOENT, 45: errno.EISDIR, 46: errno.EACCES}
+_STDERR_ERRNO = (
+    ("Read-only file system", errno.EROFS),
+    ("Permission denied", errno.EACCES),
+    ("Is a directory", errno.EISDIR),
+    ("Not a directory", errno.ENOTDIR),
+    ("No space left on device", errno.ENOSPC),
+    ("Disk quota exceeded", errno.EDQUOT),
+    ("File name too long", errno.ENAMETOOLONG),
+    ("File exists", errno.ENOTDIR),  # mkdir -p over a file in the path
+)
+
+
+def _stderr_errno(text: str) -> int | None:
+    """The errno a coreutils/sh message in ``text`` names (its strerror text), else None."""
+    return next((code for needle, code in _STDERR_ERRNO if needle in text), None)
+
+
+class ShellExec:
+    """The agent's operations done with one pod exec each (the degraded mode; see the module
+    docstring for what it cannot do).
+
+    Args:
+        http: The backend's HTTP layer.
+        target: The pod.
+
+    Attributes:
+        protocol: The channel protocol the last exec negotiated.
+    """
+
+    def __init__(self, http: KubeHttp, target: ExecTarget) -> None:
+        self._http = http
+        self._target = target
+        self._seq = itertools.count(1)
+        self.protocol: str | None = None
+
+    def alive(self) -> bool:
+        """Always True: each command opens its own stream (the pod's death is the sandbox's)."""
+        return True
+
+    async def exec(self, cmd: str | list[str], *, timeout: float, cwd: str, env: dict[str, str],
+                   max_output: int) -> ExecResult:
+        """Run ``cmd`` under :data:`WRAPPER` in one exec stream; ``cwd`` is absolute."""
+        argv = build_argv(self._target, f"{self._target.sandbox_id}.{next(self._seq)}", cmd,
+                          timeout=timeout, cwd=cwd, env=env, max_output=max_output)
+        res, self.protocol = await run_exec(self._http, self._target, argv, timeout=timeout,
+                                            max_output=max_output)
+        return res
+
+    async def read_file(self, abs_path: str, shown: str) -> bytes:
+        """``cat`` the file; ENOENT, EISDIR, EACCES as ``SandboxFileError``, else
+        ``ExecTransportError``."""
+        res = await self.exec(["/bin/sh", "-c", _READ, "sh", abs_path], timeout=120.0, cwd="/",
+                              env={}, max_output=1 << 31)
+        where = f"in sandbox {self._target.sandbox_id}"
+        if res.exit_code in _READ_ERRNO:
+            raise errors.sandbox_file_error(_READ_ERRNO[res.exit_code], shown, where)
+        if not res.ok:
+            raise errors.ExecTransportError(
+                f"reading {shown} {where} failed (exit {res.exit_code}): {res.err_text.strip()[:200]}")
+        return res.stdout
+
+    async def write_file(self, abs_path: str, shown: str, data: bytes, mode: int) -> None:
+        """Write ``data`` as base64 chunks, one exec each, then rename into place; the errno
+        named in coreutils' message as ``SandboxFileError``, else ``ExecTransportError``."""
+        chunks = [data[i : i + _FILE_CHUNK] for i in range(0, len(data), _FILE_CHUNK)] or [b""]
+        for i, chunk in enumerate(chunks):
+            script = ('set -e; [ ! -d "$1" ] || { echo "$1: Is a directory" >&2; exit 1; }; '
+                      'mkdir -p "$(dirname "$1")"; ' if i == 0 else "set -e; ")
+            script += 'printf %s "$2" | base64 -d ' + ('> "$1.sp-part"' if i == 0 else '>> "$1.sp-part"')
+            if i == len(chunks) - 1:
+                script += '; chmod "$3" "$1.sp-part"; mv -f "$1.sp-part" "$1"'
+            res = await self.exec(
+                ["/bin/sh", "-c", script, "sh", abs_path, base64.b64encode(chunk).decode(), f"{mode:o}"],
+                timeout=120.0, cwd="/", env={}, max_output=1 << 20)
+            if not res.ok:
+                where = f"in sandbox {self._target.sandbox_id}"
+                code = _stderr_errno(res.err_text)
+                if code is not None:  # the policy's path: a result, not a broken channel
+                    raise errors.sandbox_file_error(code, shown, where)
+                raise errors.ExecTransportError(
+                    f"writing {shown} {where} failed (exit {res.exit_code}): {res.err_text.strip()[:200]}")
+
+    async def _procs(self, what: str) -> str:
+        res = await self.exec(["/bin/sh", "-c", PROCS, "sh", self._target.sandbox_id, what],
+                              timeout=30.0, cwd="/", env={}, max_output=1 << 20)
+        return res.text
+
+    async def processes(self) -> list[str]:
+        """Command lines of the processes carrying the sandbox's marker, but the asking exec's."""
+        return [line for line in (await self._procs("list")).splitlines() if line.strip()]
+
+    async def kill_strays(self) -> int:
+        """SIGKILL every process carrying the sandbox's marker but the asking exec's; how many."""
+        out = await self._procs("kill")
+        try:
+            return int(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            raise errors.ExecTransportError(
+                f"kill_strays in sandbox {self._target.sandbox_id}: unexpected answer {out[:100]!r}"
+            ) from None

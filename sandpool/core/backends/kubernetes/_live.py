@@ -20,9 +20,9 @@ from sandpool.core.backends.kubernetes._images import PodImages
 from sandpool.core.backends.kubernetes._pods import pod_death
 from sandpool.core.backends.kubernetes._presession import Presessions
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
-from sandpool.core.backends.kubernetes._service import PodService, start_service
 from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
 from sandpool.core.backends.kubernetes._watch import Informer
+from sandpool.core.service import ServiceSpec
 
 __all__ = ["LiveSandboxes"]
 
@@ -62,7 +62,7 @@ class LiveSandboxes:
         agent: bool,
         python: str,
         agent_timeout: float,
-        service: PodService | None,
+        service: ServiceSpec | None,
         attach: bool = False,
     ) -> None:
         self._http = http
@@ -132,7 +132,7 @@ class LiveSandboxes:
                 await self._open_session(sb)
             if self.service is not None:  # while the pool warms: the claim finds it running
                 try:
-                    await start_service(sb, self.service)
+                    await sb.start_service(self.service)
                 except BaseException:  # the session (and the service with it) ends
                     sb._mark_dead("its service did not start")
                     await sb._close_session()
@@ -181,9 +181,7 @@ class LiveSandboxes:
         if self._presessions is not None:
             pre = await self._presessions.take(sb.pod, sb.pod_uid)
             if pre is not None:
-                pre.client.name = sb.id
-                sb._session = pre
-                sb.protocol = pre.protocol
+                sb.attach(pre)
                 return
         session = AgentSession(self._http, sb._target, sb.id, self.python,
                                attach=self._attach)
@@ -204,5 +202,4 @@ class LiveSandboxes:
             )
             self._fallback(sb, "agent_unavailable")
             return
-        sb._session = session
-        sb.protocol = session.protocol
+        sb.attach(session)

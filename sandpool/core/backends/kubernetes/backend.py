@@ -39,13 +39,13 @@ from sandpool.core.backends.kubernetes._preflight import Preflight
 from sandpool.core.backends.kubernetes._prepull import Placement
 from sandpool.core.backends.kubernetes._presession import Presessions
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
-from sandpool.core.backends.kubernetes._service import PodService
 from sandpool.core.backends.kubernetes._watch import Informer
 from sandpool.core.base import Backend, Sandbox
 from sandpool.core.rate import AdaptiveRate
+from sandpool.core.service import ServiceSpec
 from sandpool.core.telemetry import Telemetry
 
-__all__ = ["ImageMap", "KubernetesBackend", "KubernetesSandbox", "PodService", "gc"]
+__all__ = ["ImageMap", "KubernetesBackend", "KubernetesSandbox", "gc"]
 
 _MODES = ("agent-sandbox", "pods")
 _DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
@@ -114,7 +114,8 @@ class KubernetesBackend(Backend):
             error is an infra error (``ApiError``, ``ExecTransportError``).
         service: A long-lived process each pod starts (through its agent session) before
             its sandbox is handed out, spared by the in-place reset; its port is declared in
-            the pod spec and reached with :meth:`KubernetesSandbox.open_port` (:mod:`._service`).
+            the pod spec and reached with :meth:`KubernetesSandbox.connect_service`
+            (:mod:`._service`). No ``binds``: no host directory is bound into a pod.
         disk_bytes: Cap in bytes on what a sandbox can write: its workdir (a copy of the
             image's, counted) and ``/tmp`` live on a memory-backed volume of that size, and
             the rest of the root file system is read-only
@@ -158,7 +159,7 @@ class KubernetesBackend(Backend):
         presessions: int = 0,
         delete_batch_s: float | None = None,
         api_retries: int = 6,
-        service: PodService | None = None,
+        service: ServiceSpec | None = None,
         disk_bytes: int | None = None,
         agent_entrypoint: bool = False,
     ) -> None:
@@ -168,6 +169,9 @@ class KubernetesBackend(Backend):
             raise errors.ConfigError(f"api_retries={api_retries} must be 0 or more")
         if disk_bytes is not None and disk_bytes <= 0:
             raise errors.ConfigError(f"disk_bytes={disk_bytes} must be positive (or None)")
+        if service is not None and service.binds:
+            raise errors.ConfigError("ServiceSpec.binds: no host directory is bound into a pod; "
+                                     "put the service's code in the image or a volume")
         attach = agent and agent_entrypoint
         self.kubeconfig = str(Path(kubeconfig).expanduser()) if kubeconfig else None
         self.namespace = ns = namespace

@@ -13,7 +13,7 @@ from sandpool.core.base import ResourceLimits
 
 if TYPE_CHECKING:
     from sandpool.core.backends.local.image import LocalImage
-    from sandpool.core.backends.local.service import ServiceSpec
+    from sandpool.core.service import ServiceSpec
 
 __all__ = ["AGENT", "AGENT_IN_SANDBOX", "IMAGE_IN_SANDBOX", "SCRATCH", "SERVICE_DIR",
            "WORK_CGROUP_IN_SANDBOX", "bwrap_argv", "write_etc"]

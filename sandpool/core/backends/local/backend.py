@@ -8,24 +8,21 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
 import time
 import uuid
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from sandpool.core import errors
 from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _seccomp
 from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, write_etc
-from sandpool.core.backends.local.image import LocalImage, image_dir
+from sandpool.core.backends.local.image import LocalImage, image_dir, load_image
 from sandpool.core.backends.local.sandbox import LocalSandbox
-from sandpool.core.backends.local.service import ServiceSpec, start_service
 from sandpool.core.base import Backend, ResourceLimits, Sandbox
 from sandpool.core.images import ImageStore, OciImage
 from sandpool.core.mounts import mount_overlay
 from sandpool.core.mounts import umount as _umount
 from sandpool.core.paths import sandpool_home
+from sandpool.core.service import ServiceSpec
 
 __all__ = ["LocalBackend", "reap_stale"]
 
@@ -52,7 +49,10 @@ class LocalBackend(Backend):
             False to run without CPU/memory/pid limits, e.g. unprivileged in a container.
         store: The OCI image store consulted for names that are not image directories
             (default ``ImageStore()``, under ``sandpool_home()/oci-v1``).
-        service: A long-lived process each sandbox starts before it is handed out.
+        service: A long-lived process each sandbox starts before it is handed out, in its
+            service directory :data:`SERVICE_DIR` (a host directory per sandbox, on its disk
+            quota), reached with :meth:`LocalSandbox.connect_service` through its
+            :attr:`ServiceSpec.socket`. Image directories only.
     """
 
     name = "local"
@@ -139,23 +139,7 @@ class LocalBackend(Backend):
                 f"hydrate it (`sandpool images pull docker://{name}`, or a docker-archive:/oci: "
                 "source with --name), or fix the task's `image` field"
             )
-        try:
-            img = LocalImage.model_validate_json(path.read_text())
-        except ValidationError as exc:
-            raise errors.ImageNotFound(f"image {name!r}: {path} is malformed: {exc}") from exc
-        for field in ("venv", "repo", "python_prefix"):
-            if Path(getattr(img, field)).is_relative_to("/tmp"):
-                raise errors.ImageNotFound(
-                    f"image {name!r}: {field} {getattr(img, field)} is under /tmp, which is private "
-                    "to each sandbox; build images elsewhere (the default is under sandpool_home())"
-                )
-            if not Path(getattr(img, field)).is_dir():
-                raise errors.ImageNotFound(
-                    f"image {name!r}: {field} directory {getattr(img, field)} is missing; rebuild the image"
-                )
-        rev = subprocess.run(["git", "-C", img.repo, "rev-parse", "-q", "--verify", "HEAD"],
-                             capture_output=True, text=True)
-        img = img.model_copy(update={"head": rev.stdout.strip() or None})
+        img = load_image(name, path)
         self._images[name] = img
         return img
 
@@ -298,7 +282,8 @@ class LocalBackend(Backend):
             await sandbox._wait_ready(self.start_timeout)
             await sandbox.record_scratch(timeout=self.start_timeout)
             if self.service is not None:
-                await start_service(sandbox, self.service, svc)
+                sandbox.service_dir = svc
+                await sandbox.start_service(self.service)
         except BaseException:
             await self.delete(sandbox)
             raise
@@ -325,7 +310,7 @@ class LocalBackend(Backend):
             self._cgroups.remove(sandbox.id)
         _unmount_sandbox(self.run_id, sandbox.id, sandbox.state_dir)
         await _offload(shutil.rmtree, sandbox.state_dir, True)
-        await sandbox._reader
+        await sandbox._agent.aclose("deleted by sandpool")
         if sandbox.budget is not None:
             sandbox.budget.close()
         if sandbox.ids is not None:

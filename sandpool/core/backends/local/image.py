@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-__all__ = ["LocalImage", "image_dir"]
+from sandpool.core import errors
+
+__all__ = ["LocalImage", "image_dir", "load_image"]
 
 
 def image_dir(images_root: Path, name: str) -> Path:
@@ -37,3 +40,30 @@ class LocalImage(BaseModel):
     repo: str
     workdir: str = "/testbed"
     head: str | None = None
+
+
+def load_image(name: str, path: Path) -> LocalImage:
+    """Read image ``name``'s ``image.json`` at ``path``, check its directories, and read its
+    repo's HEAD.
+
+    Raises:
+        ImageNotFound: The file is malformed, or a directory it names is missing or under
+            ``/tmp`` (private to each sandbox); the message says the fix.
+    """
+    try:
+        img = LocalImage.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        raise errors.ImageNotFound(f"image {name!r}: {path} is malformed: {exc}") from exc
+    for field in ("venv", "repo", "python_prefix"):
+        if Path(getattr(img, field)).is_relative_to("/tmp"):
+            raise errors.ImageNotFound(
+                f"image {name!r}: {field} {getattr(img, field)} is under /tmp, which is private "
+                "to each sandbox; build images elsewhere (the default is under sandpool_home())"
+            )
+        if not Path(getattr(img, field)).is_dir():
+            raise errors.ImageNotFound(
+                f"image {name!r}: {field} directory {getattr(img, field)} is missing; rebuild the image"
+            )
+    rev = subprocess.run(["git", "-C", img.repo, "rev-parse", "-q", "--verify", "HEAD"],
+                         capture_output=True, text=True)
+    return img.model_copy(update={"head": rev.stdout.strip() or None})

@@ -1,27 +1,26 @@
-"""A running local sandbox: its agent spoken to over the bubblewrap process's stdio."""
+"""A running local sandbox: its agent reached over the bubblewrap process's stdio."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import errno
-import itertools
-import json
 import os
 import stat
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 from sandpool.core import errors
-from sandpool.core.agent.client import TRANSPORT_GRACE_S, exec_result
-from sandpool.core.backends._service import RunningService, proc_argv, running_problems, tree, tree_diff
+from sandpool.core.agent import service
+from sandpool.core.agent.channel import PipeChannel
+from sandpool.core.agent.client import AgentClient
+from sandpool.core.agent.sandbox import AgentSandbox
 from sandpool.core.backends.local import _oci, _overlay
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
 from sandpool.core.backends.local._cgroup import BudgetWatch
 from sandpool.core.backends.local._idrange import IdRange
 from sandpool.core.backends.local.image import LocalImage
-from sandpool.core.base import ExecResult, Sandbox
 from sandpool.core.images import OciImage
+from sandpool.core.service import ServiceStream
 
 __all__ = ["LocalSandbox"]
 
@@ -32,9 +31,14 @@ _FULL_BYTES = 1 << 20
 #: out for them (no honest rollout leaves a hundred thousand paths in ``.git``).
 _MANY_PATHS = 100_000
 
+_SUN_PATH_MAX = 108  # bytes in sockaddr_un.sun_path (Linux), the terminating NUL included
+_CHUNK = 1 << 16
 
-class LocalSandbox(Sandbox):
-    """A running local sandbox: an agent process spoken to over JSON lines on stdio.
+
+class LocalSandbox(AgentSandbox):
+    """A running local sandbox: its agent is the bubblewrap process's pid 1, spoken to over
+    that process's stdio (:class:`~sandpool.core.agent.channel.PipeChannel`). The process is the
+    sandbox: its channel's end is the sandbox's death.
 
     Created by :meth:`LocalBackend.create`; not constructed directly.
     """
@@ -42,6 +46,7 @@ class LocalSandbox(Sandbox):
     # Everything it can write outside the repo (see the package docstring); its own ipc ns.
     scratch = SCRATCH
     private_ipc = True
+    _service_cwd = SERVICE_DIR
 
     def __init__(self, sid: str, image: LocalImage | OciImage, proc: asyncio.subprocess.Process,
                  state_dir: Path, upper: Path | None = None) -> None:
@@ -58,9 +63,7 @@ class LocalSandbox(Sandbox):
         self.state_dir = state_dir
         #: Host path of the service's directory (:data:`SERVICE_DIR`), or None without a service.
         self.service_dir: Path | None = None
-        #: The environment the service was started with (its secrets included).
         self.service_env: dict[str, str] = {}
-        self._service: RunningService | None = None
         #: Host path of the overlay's upper layer (what the rollout changed), for reset checks.
         self.upper = upper
         #: The OCI image it runs, or None for an image directory.
@@ -68,168 +71,50 @@ class LocalSandbox(Sandbox):
         #: The overlay's lower directories, top first (OCI sandboxes; set by the backend).
         self.lowers: list[Path] = []
         self._proc = proc
-        self._pending: dict[int, asyncio.Future[dict]] = {}
-        self._ids = itertools.count(1)
-        self._dead: str | None = None
-        self._death: errors.SandpoolError | None = None
-        self.host_killed = False  # set by the backend before it kills the process tree
         #: The kernel's count of what exhausted the sandbox's own budget: whose a death is.
         self.budget: BudgetWatch | None = None
         #: The sandbox's own range of host ids (``_idrange``), released when it is deleted.
         self.ids: IdRange | None = None
         self._scratch: dict[str, dict] = {}  # scratch dir -> its metadata when fresh
-        self._ready: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
-        self._ready.add_done_callback(_retrieve)
-        self._reader = asyncio.create_task(self._read_loop(), name=f"sandpool-reader-{sid}")
+        self._channel = PipeChannel(proc, f"sandbox {sid}", evidence=self._evidence)
+        self._agent = AgentClient(self._channel, sid)
 
     def __repr__(self) -> str:
-        state = f"dead: {self._dead}" if self._dead else "alive"
-        return f"<LocalSandbox {self.id} image={self.image!r} {state} pending={len(self._pending)}>"
+        state = f"dead: {self._agent.error}" if self._agent.error else "alive"
+        return f"<LocalSandbox {self.id} image={self.image!r} {state}>"
+
+    def _ops(self) -> AgentClient:
+        return self._agent
 
     @property
     def pid(self) -> int:
         """Host pid of the sandbox's bubblewrap process."""
         return self._proc.pid
 
-    def alive(self) -> bool:
-        """True until the agent's channel closed or the process exited."""
-        return self._dead is None and self._proc.returncode is None
+    @property
+    def host_killed(self) -> bool:
+        """Set by the backend before it kills the process tree: the death is the host's."""
+        return self._channel.host_killed
 
-    async def _read_loop(self) -> None:
-        assert self._proc.stdout is not None
-        reason = "the sandbox process exited"
-        try:
-            while True:
-                line = await self._proc.stdout.readline()
-                if not line:
-                    break
-                try:
-                    msg = json.loads(line)
-                except json.JSONDecodeError:
-                    reason = f"garbled frame from the agent: {line[:80]!r}"
-                    break
-                rid = msg.get("id")
-                if rid == 0 and not self._ready.done():
-                    self._ready.set_result(msg)
-                    continue
-                fut = self._pending.pop(rid, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
-        except (ValueError, OSError) as exc:  # line over the stream limit, or pipe error
-            reason = f"agent channel failed: {exc}"
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._proc.wait(), 2.0)
-        rc = self._proc.returncode
-        if rc is not None and rc > 128:  # bubblewrap outlived its agent: the signal that killed it
-            reason = f"its agent was killed by signal {rc - 128}"
-        # The policy cannot signal the agent (its pid 1), so the death is the policy's only
-        # when the kernel counted its sandbox's own budget exhausted; else it came from
-        # outside (the host's OOM killer, an operator, the node), and the host's own kills
-        # (delete, kill) are never the policy's.
-        evidence = [] if self.host_killed or self.budget is None else self.budget.evidence()
-        err: errors.SandpoolError
-        if evidence and self._ready.done():
-            err = errors.SandboxExhausted(f"sandbox {self.id}: {reason}, and {'; '.join(evidence)}")
-        else:
-            err = errors.SandboxDied(f"sandbox {self.id}: {reason}"
-                                     + ("" if self.host_killed else " (no OOM or pid-limit event in "
-                                        "its cgroup: not its processes' doing)"))
-        self._dead = reason
-        self._death = err
-        if not self._ready.done():
-            self._ready.set_exception(err)
-        for fut in self._pending.values():
-            if not fut.done():
-                fut.set_exception(err)
-        self._pending.clear()
+    @host_killed.setter
+    def host_killed(self, value: bool) -> None:
+        self._channel.host_killed = value
+
+    def _evidence(self) -> list[str]:
+        # The policy cannot signal the agent (its pid 1), so a death or a refused thread is the
+        # policy's only when the kernel counted its sandbox's own budget exhausted; the host's
+        # own kills (delete, kill) never are.
+        return [] if self.host_killed or self.budget is None else self.budget.evidence()
 
     async def _wait_ready(self, timeout: float) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+            await self._agent.ready(timeout)
         except TimeoutError:
             raise errors.SandboxStartError(
-                f"sandbox {self.id} did not become ready within {timeout:.0f} s"
-            ) from None
-        except errors.SandboxDied as exc:
+                f"sandbox {self.id} did not become ready within {timeout:.0f} s") from None
+        except errors.SandpoolError as exc:
             log = (self.state_dir / "stderr.log").read_text(errors="replace")[-2000:]
             raise errors.SandboxStartError(f"sandbox {self.id} failed to start: {log.strip() or exc}") from None
-
-    async def _call(self, op: str, wait_s: float, **fields: object) -> dict:
-        # The single boundary where OS and protocol errors become sandpool errors.
-        if self._death is not None:
-            raise self._death
-        if self._dead is not None:
-            raise errors.SandboxDied(f"sandbox {self.id}: {self._dead}")
-        rid = next(self._ids)
-        fut: asyncio.Future[dict] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut
-        try:
-            assert self._proc.stdin is not None
-            frame = json.dumps({"id": rid, "op": op, **fields}).encode() + b"\n"
-            self._proc.stdin.write(frame)
-            await self._proc.stdin.drain()
-            msg = await asyncio.wait_for(fut, wait_s)
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            await asyncio.shield(self._reader)  # it says whether the death came from inside
-            if self._death is not None:
-                raise self._death from exc
-            raise errors.SandboxDied(f"sandbox {self.id}: channel closed ({exc})") from exc
-        except TimeoutError:
-            raise errors.ExecTransportError(
-                f"sandbox {self.id}: no answer to {op!r} within {wait_s:.0f} s"
-            ) from None
-        finally:
-            self._pending.pop(rid, None)
-            _retrieve(fut)  # the reader may have failed it while we were raising something else
-        if msg.get("error") == "exhausted":  # the kernel refused the agent a thread
-            evidence = self.budget.evidence() if self.budget is not None else []
-            if evidence:
-                raise errors.SandboxExhausted(f"sandbox {self.id}: its agent could not serve {op!r} "
-                                              f"({msg['message']}): {'; '.join(evidence)}")
-        if msg.get("error") in ("agent_exception", "exhausted"):
-            raise errors.ExecTransportError(f"sandbox {self.id}: agent failed {op!r}: {msg['message']}")
-        return msg
-
-    def _abs(self, path: str) -> str:
-        p = PurePosixPath(path)
-        return str(p if p.is_absolute() else PurePosixPath(self.workdir) / p)
-
-    async def exec(
-        self,
-        cmd: str | list[str],
-        *,
-        timeout: float = 60.0,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        max_output: int = 1 << 20,
-    ) -> ExecResult:
-        """Run ``cmd`` in the sandbox; see :meth:`Sandbox.exec`."""
-        msg = await self._call(
-            "exec",
-            timeout + TRANSPORT_GRACE_S,
-            cmd=cmd,
-            timeout=timeout,
-            cwd=self._abs(cwd or self.workdir),
-            env=env or {},
-            max_output=max_output,
-        )
-        return exec_result(msg)
-
-    async def read_file(self, path: str) -> bytes:
-        """Return the bytes of ``path``; see :meth:`Sandbox.read_file`."""
-        msg = await self._call("read_file", 60.0, path=self._abs(path))
-        self._raise_os_error(msg, path)
-        return base64.b64decode(msg["data"])
-
-    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
-        """Write ``data`` to ``path``; see :meth:`Sandbox.write_file`."""
-        msg = await self._call("write_file", 60.0, path=self._abs(path),
-                               data=base64.b64encode(data).decode(), mode=mode)
-        self._raise_os_error(msg, path)
-
-    def _raise_os_error(self, msg: dict, path: str) -> None:
-        if msg.get("error") == "os_error":
-            raise errors.sandbox_file_error(int(msg["errno"]), path, f"in sandbox {self.id}")
 
     async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
         """For an OCI sandbox, what its upper layer holds outside the repo and ``/tmp`` (read
@@ -239,14 +124,6 @@ class LocalSandbox(Sandbox):
             return None
         return await asyncio.to_thread(_oci.changes_outside, self.upper, self.lowers,
                                        (self.workdir, "/tmp"))
-
-    async def processes(self) -> list[str]:
-        """Command lines of every process in the sandbox except its agent and init."""
-        return list((await self._call("ps", 30.0))["procs"])
-
-    async def kill_strays(self) -> int:
-        """SIGKILL every process but the agent; return how many were signalled."""
-        return int((await self._call("kill_strays", 30.0))["killed"])
 
     async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str] | None:
         """Make the repo at or below ``under`` identical to the image's; see :meth:`Sandbox.restore_repo`.
@@ -285,8 +162,8 @@ class LocalSandbox(Sandbox):
         many = await asyncio.to_thread(_overlay.count_at_least, upper / prefix if prefix else upper,
                                        _MANY_PATHS)
         try:
-            msg = await self._call("restore", timeout, root=self.workdir, image=self._image_in_sandbox,
-                                   changes=[[c.path, c.kind] for c in changes], pinned=pinned)
+            msg = await self._restore_paths(self._image_in_sandbox, [[c.path, c.kind] for c in changes],
+                                            pinned, timeout)
         except errors.ExecTransportError as exc:
             if many:
                 raise errors.SandboxExhausted(
@@ -314,32 +191,6 @@ class LocalSandbox(Sandbox):
         if st.f_bavail * st.f_frsize < _FULL_BYTES:
             return f"its disk quota has {st.f_bavail * st.f_frsize} bytes left of {st.f_blocks * st.f_frsize}"
         return None
-
-    async def restore_service(self, *, timeout: float = 60.0) -> list[str]:
-        """Bring the sandbox's service back to its pristine state and verify it; see
-        :meth:`Sandbox.restore_service`.
-
-        Checks, in order: the service is the process started with the sandbox (same pid and
-        start time), alive, not stopped, with the priority, resource limits and CPU affinity it
-        started with (``_service.proc_state``); its :attr:`ServiceSpec.reset_argv` exits 0; its
-        directory, read on the host, is what it was when recorded fresh (every path's type and
-        mode, each file's bytes, each link's target). Run it with no process of the rollout
-        left (:meth:`kill_strays`). Cost: one ``/proc`` read, ``reset_argv``, a walk of the
-        service directory.
-
-        Returns:
-            What differs (empty: pristine); [] without a service.
-        """
-        svc = self._service
-        if svc is None:
-            return []
-        problems = await self._service_running(svc, timeout)
-        problems = problems or await self._service_reset(svc, timeout)
-        if not problems:
-            assert self.service_dir is not None
-            problems = tree_diff(svc.pristine, await asyncio.to_thread(tree, self.service_dir))
-        # Again at the end: a fatal signal sent just before the reset may take effect during it.
-        return problems or await self._service_running(svc, timeout)
 
     async def record_scratch(self, *, timeout: float = 30.0) -> None:
         """Record the scratch directories' own metadata as pristine; the backend calls it once,
@@ -373,25 +224,29 @@ class LocalSandbox(Sandbox):
                 problems.append(f"scratch directory {path} is not as fresh: {', '.join(diff)}")
         return problems
 
-    async def service_problems(self, *, timeout: float = 30.0) -> list[str]:
-        """Why the sandbox's service is not running as it started (gone, stopped, its limits
-        changed), one sentence each; [] when it is, or without a service. Read through the
-        agent: the same check the in-place reset makes first (:meth:`restore_service`)."""
-        return [] if self._service is None else await self._service_running(self._service, timeout)
+    # -- the service: its directory is on the host, its output in stderr.log ----------------
 
-    async def _service_running(self, svc: RunningService, timeout: float) -> list[str]:
-        res = await self.exec(proc_argv(svc.pid), timeout=timeout)
-        return running_problems(svc, res.text if res.ok else None)
+    def _service_log(self) -> str:
+        return (self.state_dir / "stderr.log").read_text(errors="replace")[-1500:].strip()
 
-    async def _service_reset(self, svc: RunningService, timeout: float) -> list[str]:
-        if svc.spec.reset_argv is None:
-            return []
-        res = await self.exec(list(svc.spec.reset_argv), timeout=timeout, cwd=SERVICE_DIR,
-                              env={**self.service_env, "SANDPOOL_SERVICE_PID": str(svc.pid)})
-        if res.ok:
-            return []
-        return [f"its service's reset failed (exit {res.exit_code}, timed out: {res.timed_out}): "
-                f"{(res.err_text or res.text).strip()[-300:]}"]
+    async def _service_tree(self) -> dict[str, tuple[str, ...]]:
+        assert self.service_dir is not None
+        return await service.host_tree(self.service_dir)
+
+    async def connect_service(self) -> ServiceStream:
+        """Connect to the service's unix socket (:attr:`ServiceSpec.socket`), from the host.
+
+        Raises:
+            ConfigError: No service, or its spec names no socket.
+            SandboxDied: The sandbox is gone.
+            OSError: Nothing listens on the socket.
+        """
+        svc = self._service
+        if svc is None or svc.spec.socket is None or self.service_dir is None:
+            return await super().connect_service()
+        if not self.alive():
+            raise errors.SandboxDied(f"sandbox {self.id} is gone: {self._agent.error}")
+        return await _open_unix(self.service_dir / svc.spec.socket)
 
     def _repo_upper(self) -> Path:
         assert self.upper is not None
@@ -425,7 +280,35 @@ class LocalSandbox(Sandbox):
             self._pins[rel] = dst
 
 
-def _retrieve(fut: asyncio.Future) -> None:
-    # Mark a failed future's exception as seen; the caller got (or will get) its own error.
-    if fut.done() and not fut.cancelled():
-        fut.exception()
+async def _open_unix(path: Path) -> ServiceStream:
+    # A path longer than a socket address holds is reached through its directory's fd.
+    if len(str(path).encode()) < _SUN_PATH_MAX:
+        return _SocketStream(*await asyncio.open_unix_connection(str(path)))
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
+    try:
+        return _SocketStream(*await asyncio.open_unix_connection(f"/proc/self/fd/{fd}/{path.name}"))
+    finally:
+        os.close(fd)
+
+
+class _SocketStream:
+    """One unix-socket connection to a local sandbox's service."""
+
+    half_close = True
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._r, self._w = reader, writer
+
+    async def read(self) -> bytes:
+        return await self._r.read(_CHUNK)
+
+    async def write(self, data: bytes) -> None:
+        self._w.write(data)
+        await self._w.drain()
+
+    async def write_eof(self) -> None:
+        if self._w.can_write_eof():
+            self._w.write_eof()
+
+    async def aclose(self) -> None:
+        self._w.close()

@@ -1,25 +1,33 @@
-"""A local sandbox's service directory, held to its fresh state by the in-place reset.
+"""A sandbox's service (:class:`~sandpool.core.base.ServiceSpec`): started through the agent,
+held to its fresh state by the in-place reset.
 
-The service (:class:`~sandpool.core.backends.local.ServiceSpec`) runs as the policy's uid, so
-the policy can write its directory. :func:`tree` records the directory on the host (never
-through the sandbox) when the service is fresh, and :func:`tree_diff` says what a later walk
-finds different; :meth:`LocalSandbox.restore_service
-<sandpool.core.backends.local.LocalSandbox.restore_service>` quarantines on any difference.
+The service runs as the policy's uid, so the policy can signal it, change its limits and write
+its directory. :func:`start` records what it was when fresh: its process (pid, start time,
+:func:`proc_state`) and its directory's :func:`tree`, read by the sandbox's backend (on the
+host for a local sandbox, never through the sandbox). :func:`restore` runs the service's
+``reset_argv`` and says what differs from that record; the reset quarantines on any
+difference.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import secrets
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from sandpool.core.backends.local import ServiceSpec
+from sandpool.core import errors
+from sandpool.core.service import ServiceSpec
 
-__all__ = ["RunningService", "proc_argv", "proc_state", "running_problems", "tree", "tree_diff"]
+if TYPE_CHECKING:
+    from sandpool.core.agent.sandbox import AgentSandbox
+
+__all__ = ["RunningService", "host_tree", "proc_argv", "proc_state", "restore", "running",
+           "running_problems", "start", "tree", "tree_diff"]
 
 
 @dataclass
@@ -125,3 +133,75 @@ def tree_diff(want: dict[str, tuple[str, ...]], now: dict[str, tuple[str, ...]])
         return []
     return [f"its service directory differs from its fresh state: added {added[:5]}, "
             f"changed {changed[:5]}, missing {missing[:5]}"]
+
+
+async def start(sb: AgentSandbox, spec: ServiceSpec) -> RunningService:
+    """Start ``spec`` in ``sb`` through its agent, wait until it is ready, reset it once and
+    record its fresh state; sets ``sb.service_env``.
+
+    Raises:
+        SandboxStartError: The service did not become ready, exited, or its first reset
+            failed (the message has its output).
+        SandboxDied, ExecTransportError: The sandbox or its channel failed.
+    """
+    env = {**spec.env, **{name: secrets.token_urlsafe(24) for name in spec.secret_env}}
+    pid = await sb._agent_start_service(spec, env)
+    sb.service_env = env
+    if spec.ready_argv is not None:
+        res = await sb.exec(list(spec.ready_argv), timeout=spec.ready_timeout, cwd=sb._service_cwd,
+                            env={**env, "SANDPOOL_SERVICE_PID": str(pid)})
+        if not res.ok:
+            raise errors.SandboxStartError(
+                f"sandbox {sb.id}: its service did not become ready (exit {res.exit_code}, "
+                f"timed out: {res.timed_out}): {sb._service_log() or res.err_text[-500:]}")
+    got = proc_state((await sb.exec(proc_argv(pid), timeout=30.0, cwd=sb._service_cwd)).text)
+    if got is None or got[0] in ("Z", "X"):
+        raise errors.SandboxStartError(f"sandbox {sb.id}: its service (pid {pid}) exited at start")
+    svc = RunningService(spec, pid, got[1], got[2], {})
+    # The fresh state is the service's after one reset: what every reset restores.
+    problems = await _reset(sb, svc, spec.ready_timeout)
+    if problems:
+        raise errors.SandboxStartError(f"sandbox {sb.id}: {problems[0]}")
+    svc.pristine = await sb._service_tree()
+    return svc
+
+
+async def restore(sb: AgentSandbox, svc: RunningService, timeout: float) -> list[str]:
+    """Bring ``sb``'s service back to its fresh state and verify it (the reset's hook).
+
+    Checks, in order: the service is the process started with the sandbox (same pid and start
+    time), alive, not stopped, with the priority, resource limits and CPU affinity it started
+    with; its ``reset_argv`` exits 0; its directory's tree is the fresh one; the process once
+    more (a fatal signal sent just before the reset may take effect during it). Run it with no
+    process of the rollout left.
+
+    Returns:
+        What differs, one sentence each (empty: pristine).
+    """
+    problems = await running(sb, svc, timeout)
+    problems = problems or await _reset(sb, svc, timeout)
+    if not problems:
+        problems = tree_diff(svc.pristine, await sb._service_tree())
+    return problems or await running(sb, svc, timeout)
+
+
+async def running(sb: AgentSandbox, svc: RunningService, timeout: float) -> list[str]:
+    """Why ``svc`` is not running as it started, one sentence each; [] when it is."""
+    res = await sb.exec(proc_argv(svc.pid), timeout=timeout, cwd=sb._service_cwd)
+    return running_problems(svc, res.text if res.ok else None)
+
+
+async def _reset(sb: AgentSandbox, svc: RunningService, timeout: float) -> list[str]:
+    if svc.spec.reset_argv is None:
+        return []
+    res = await sb.exec(list(svc.spec.reset_argv), timeout=timeout, cwd=sb._service_cwd,
+                        env={**sb.service_env, "SANDPOOL_SERVICE_PID": str(svc.pid)})
+    if res.ok:
+        return []
+    return [f"its service's reset failed (exit {res.exit_code}, timed out: {res.timed_out}): "
+            f"{(res.err_text or res.text).strip()[-300:]}"]
+
+
+async def host_tree(root: Path) -> dict[str, tuple[str, ...]]:
+    """:func:`tree` of ``root`` read on the host, off the event loop."""
+    return await asyncio.to_thread(tree, root)

@@ -1,0 +1,173 @@
+"""The base of every sandbox run by sandpool's agent.
+
+:class:`AgentSandbox` does the :class:`~sandpool.core.base.Sandbox` contract's work through the
+agent (:class:`~.client.AgentOps`, usually an :class:`~.client.AgentClient` over one channel):
+commands, files, process listing, the kill of strays, the in-place restore of repo paths, and
+the service (:mod:`.service`). It also maps a death to an error, in one place: a request to a
+sandbox its backend knows is gone raises that death (:meth:`AgentSandbox._gone`), and so does
+a request whose answer arrived after the death (the answer is void); otherwise the channel's
+own error stands (``SandboxDied``, ``SandboxExhausted`` or ``ExecTransportError``).
+
+A backend's sandbox adds only its lifecycle: how its agent is started and reached
+(:meth:`~AgentSandbox._ops`), its evidence of death, and where its service lives.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable
+from pathlib import PurePosixPath
+from typing import TypeVar
+
+from sandpool.core import errors
+from sandpool.core.agent import service
+from sandpool.core.agent.client import AgentClient, AgentOps, AgentStarved
+from sandpool.core.base import ExecResult, Sandbox
+from sandpool.core.service import ServiceSpec
+
+__all__ = ["AgentSandbox"]
+
+T = TypeVar("T")
+
+
+class AgentSandbox(Sandbox):
+    """A sandbox whose work is done by sandpool's agent.
+
+    Subclasses set ``id``, ``image`` and ``workdir`` and implement :meth:`_ops`; they may
+    override :meth:`_gone` (evidence of death the channel cannot see, e.g. a pod deleted) and
+    the service hooks.
+    """
+
+    #: Where the service's commands run (its directory when the backend can name it).
+    _service_cwd: str | None = None
+    _service: service.RunningService | None = None
+
+    @abc.abstractmethod
+    def _ops(self) -> AgentOps:
+        """What does the work: the agent's client, or a backend's degraded stand-in."""
+
+    def _gone(self) -> errors.SandpoolError | None:
+        """The error for a sandbox its backend knows is dead, else None (default: the
+        channel is the only evidence)."""
+        return None
+
+    def _evidence(self) -> list[str]:
+        """What shows the sandbox's own processes spent its budget, one sentence each (default:
+        the backend cannot tell, none)."""
+        return []
+
+    def alive(self) -> bool:
+        """False once the sandbox is known dead or its agent's channel ended (no round trip)."""
+        return self._gone() is None and self._ops().alive()
+
+    def _abs(self, path: str) -> str:
+        p = PurePosixPath(path)
+        return str(p if p.is_absolute() else PurePosixPath(self.workdir) / p)
+
+    async def _guarded(self, op: Callable[[AgentOps], Awaitable[T]]) -> T:
+        """Run ``op`` on the agent; a death the backend knows of wins over what the channel
+        says, before, during and after the request."""
+        if (err := self._gone()) is not None:
+            raise err
+        try:
+            res = await op(self._ops())
+        except (errors.ExecTransportError, errors.SandboxDied) as exc:
+            if (err := self._gone()) is not None:  # the channel broke because the sandbox died
+                raise err from None
+            if isinstance(exc, AgentStarved) and (evidence := self._evidence()):
+                raise errors.SandboxExhausted(
+                    f"sandbox {self.id}: its agent could not serve {exc.op!r} ({exc.detail}): "
+                    f"{'; '.join(evidence)}") from None
+            raise
+        if (err := self._gone()) is not None:  # it died while the request ran: the answer is void
+            raise err
+        return res
+
+    def _client(self) -> AgentClient:
+        """The agent's client, for what only the agent can do (restore, services).
+
+        Raises:
+            ConfigError: The sandbox runs in a degraded mode without the agent.
+        """
+        ops = self._ops()
+        if not isinstance(ops, AgentClient):
+            raise errors.ConfigError(f"sandbox {self.id} runs without sandpool's agent "
+                                     f"({type(ops).__name__}): restores and services need it")
+        return ops
+
+    async def exec(
+        self,
+        cmd: str | list[str],
+        *,
+        timeout: float = 60.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        max_output: int = 1 << 20,
+    ) -> ExecResult:
+        """Run ``cmd`` in the sandbox; see :meth:`Sandbox.exec`."""
+        where = self._abs(cwd or self.workdir)
+        return await self._guarded(lambda a: a.exec(cmd, timeout=timeout, cwd=where, env=env or {},
+                                                    max_output=max_output))
+
+    async def read_file(self, path: str) -> bytes:
+        """Return the bytes of ``path``; see :meth:`Sandbox.read_file`."""
+        return await self._guarded(lambda a: a.read_file(self._abs(path), path))
+
+    async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        """Write ``data`` to ``path``; see :meth:`Sandbox.write_file`."""
+        await self._guarded(lambda a: a.write_file(self._abs(path), path, data, mode))
+
+    async def processes(self) -> list[str]:
+        """Command lines of every process in the sandbox but its agent (and init)."""
+        return await self._guarded(lambda a: a.processes())
+
+    async def kill_strays(self) -> int:
+        """SIGKILL every process but the agent (and init); return how many were signalled."""
+        return await self._guarded(lambda a: a.kill_strays())
+
+    async def _call(self, op: str, wait_s: float, **fields: object) -> dict:
+        """One agent request by name (an op without a typed helper); its answer."""
+        return await self._guarded(lambda _: self._client().call(op, wait_s, **fields))
+
+    async def _restore_paths(self, image: str, changes: list[list[str]], pinned: dict[str, dict],
+                             timeout: float) -> dict:
+        """Have the agent make each repo path of ``changes`` what it is in the image's repo
+        (read-only at ``image`` inside the sandbox), or the ``pinned`` bytes; its answer
+        (``failed``, ``errnos``: :meth:`AgentClient.restore`)."""
+        return await self._guarded(
+            lambda _: self._client().restore(self.workdir, image, changes, pinned, timeout))
+
+    # -- the service -------------------------------------------------------------------------
+
+    async def _agent_start_service(self, spec: ServiceSpec, env: dict[str, str]) -> int:
+        """Start the service's process through the agent; its pid."""
+        return await self._guarded(
+            lambda _: self._client().start_service(self._service_argv(spec), env, self._service_cwd))
+
+    def _service_argv(self, spec: ServiceSpec) -> list[str]:
+        """The argv the agent starts (default: ``spec.argv``, run in :attr:`_service_cwd`)."""
+        return list(spec.argv)
+
+    def _service_log(self) -> str:
+        """The end of the service's output, to explain a failed start (default: none)."""
+        return ""
+
+    async def _service_tree(self) -> dict[str, tuple[str, ...]]:
+        """The service directory's :func:`.service.tree`, read where the policy cannot forge it."""
+        raise errors.ConfigError(f"sandbox {self.id}: this backend cannot read a service directory")
+
+    async def start_service(self, spec: ServiceSpec) -> None:
+        """Start ``spec`` and record its fresh state (see :func:`.service.start`)."""
+        self._service = await service.start(self, spec)
+
+    async def restore_service(self, *, timeout: float = 60.0) -> list[str]:
+        """Bring the service back to its fresh state and verify it; see
+        :meth:`Sandbox.restore_service` and :func:`.service.restore`. [] without a service."""
+        svc = self._service
+        return [] if svc is None else await service.restore(self, svc, timeout)
+
+    async def service_problems(self, *, timeout: float = 30.0) -> list[str]:
+        """Why the service is not running as it started, one sentence each; [] when it is, or
+        without a service. The same check the in-place reset makes first."""
+        svc = self._service
+        return [] if svc is None else await service.running(self, svc, timeout)
