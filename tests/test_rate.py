@@ -31,17 +31,17 @@ def test_a_fixed_rate_ignores_every_answer():
 
 
 def test_a_burst_of_429s_is_one_back_off_and_empties_the_bucket():
-    rate = AdaptiveRate(RateControl(40, 40, cooldown_s=1.0), now=0.0)
-    for i in range(30):  # thirty requests rejected at the same moment
-        rate.answered(0.1 + i * 0.001, 429, 0.01)
+    rate = AdaptiveRate(RateControl(40, 40), now=0.0)
+    for i in range(30):  # thirty requests sent at t=0, rejected one after the other
+        rate.answered(0.1 + i * 0.001, 429, 0.1 + i * 0.001)
     assert rate.rate == 20 and rate.back_offs == {"429": 1}
     assert rate.capacity == 20 and drain(rate, 0.16) == 1  # 1.2 tokens refilled since: no burst
-    rate.answered(1.2, 429, 0.01)  # a rejection after the cooldown backs off again
+    rate.answered(0.25, 429, 0.04)  # a request sent after the back-off is rejected: again
     assert rate.rate == 10 and rate.back_offs == {"429": 2}
 
 
 def test_each_cause_backs_off_down_to_the_floor():
-    rate = AdaptiveRate(RateControl(8, 8, min_rate=1.0, slow_s=0.5, cooldown_s=0.0), now=0.0)
+    rate = AdaptiveRate(RateControl(8, 8, min_rate=1.0, slow_s=0.5), now=0.0)
     rate.answered(1.0, 503, 0.01)
     rate.answered(2.0, None, 0.01)  # a refused or reset connection
     rate.answered(3.0, 201, 0.9)  # a write slower than slow_s
@@ -60,14 +60,14 @@ def test_retry_after_holds_every_write_until_it_has_passed():
 
 
 def test_fast_answers_bring_the_rate_back_linearly_to_the_configured_rate():
-    rate = AdaptiveRate(RateControl(20, 20, increase=2.0, cooldown_s=1.0), now=0.0)
+    rate = AdaptiveRate(RateControl(20, 20, increase=2.0), now=0.0)
     rate.answered(0.0, 429, 0.01)
     assert rate.rate == 10
-    rate.answered(0.5, 201, 0.01)  # within the cooldown: says nothing of the new rate
+    rate.answered(0.5, 201, 0.6)  # sent before the back-off: says nothing of the new rate
     assert rate.rate == 10
-    rate.answered(3.0, 201, 0.01)  # 2 s past the cooldown at +2/s per s
+    rate.answered(2.0, 201, 0.01)  # 2 s after the back-off at +2/s per s
     assert rate.rate == pytest.approx(14)
-    rate.answered(4.0, 201, 0.01)
+    rate.answered(3.0, 201, 0.01)
     assert rate.rate == pytest.approx(16)
     rate.answered(60.0, 201, 0.01)
     assert rate.rate == 20  # never above the configured rate
@@ -94,6 +94,7 @@ async def test_writes_waiting_for_a_token_slow_down_when_the_rate_backs_off(monk
     monkeypatch.setattr(loop, "time", lambda: now[0])
     rate = AdaptiveRate(RateControl(10, 1))
     await rate.acquire()
+    rate.release()
     waiting = asyncio.ensure_future(rate.acquire())
     await asyncio.sleep(0)
     rate.answered(now[0], 429, 0.01)  # the rate halves while the write waits
@@ -161,3 +162,21 @@ async def test_a_cluster_that_answers_429_backs_off_its_writes_in_the_report_and
     assert get("sandpool_kube_write_rate", {"cluster": "east"}) == be.write_rates["east"].rate
     assert get("sandpool_kube_write_back_offs_total", {"cluster": "east", "cause": "429"}) >= 1
     be._http.api_client = None  # the fixture closes its client
+
+
+def test_a_back_off_caps_the_writes_in_flight_and_fast_answers_lift_the_cap():
+    rate = AdaptiveRate(RateControl(100, 8, increase=1.0), now=0.0)
+    assert drain(rate, 0.0) == 8 and rate.inflight == 8  # no cap before a back-off
+    rate.answered(0.1, 429, 0.05)
+    assert rate.window == 4  # half the writes in flight then
+    for _ in range(8):
+        rate.release()
+    assert drain(rate, 5.0) == 4 and rate.take(5.5) == float("inf")  # full until a release
+    rate.release()
+    assert rate.take(5.5) == 0.0  # a token had come: the release was what it waited for
+    for t in range(40):  # fast answers to writes sent after the back-off: +1/window each
+        rate.answered(6.0 + t, 201, 0.01)
+        rate.release()
+        rate.take(6.0 + t)
+    assert rate.window == float("inf")  # past the burst the cap is lifted
+    assert rate.trace().min_window == 4 and "(4 in flight)" in rate.trace().describe()

@@ -1,4 +1,5 @@
-"""A cluster's write rate that adapts to its answers: a token bucket under AIMD control.
+"""A cluster's write rate that adapts to its answers: a token bucket and a window of writes
+in flight, both under AIMD control.
 
 A fixed token bucket keeps sending at the same rate to a cluster that answers 429 or slows
 down, so every request beyond its budget is rejected and retried. :class:`AdaptiveRate` is
@@ -6,13 +7,19 @@ the bucket of one cluster (one API server), and its rate moves as TCP's congesti
 does (additive increase, multiplicative decrease):
 
 * a 429, a 5xx, a refused connection or an answer slower than ``slow_s`` multiplies the rate
-  by ``decrease`` (at most once per ``cooldown_s``: a burst of rejections is one event), down
-  to ``min_rate``, and empties the bucket, whose size shrinks with the rate: no burst
-  follows a back-off;
+  by ``decrease``, down to ``min_rate``, and empties the bucket, whose size shrinks with the
+  rate: no burst follows a back-off. It also caps the writes in flight at ``decrease`` times
+  those in flight then (at least one): API Priority and Fairness rejects by seats (requests
+  executing at once), not by rate, and a rate alone lets a slow patch of answers pile up
+  more writes in flight than the server seats. Only answers to requests sent after the last
+  back-off count (as TCP reacts once per window): the rejections of one burst are one
+  event, and a rejection of a request sent at the lowered rate lowers it again at once;
 * a ``Retry-After`` also holds the whole bucket until it has passed (the server said when it
   will have room; new requests sent before then would be rejected too);
-* every answer faster than ``slow_s`` adds ``increase`` per second since the last change, up
-  to the configured ``rate``: a cluster that answers quickly gets its full rate back.
+* every answer faster than ``slow_s`` (to a request sent after the last back-off) adds
+  ``increase`` per second since the last change, up to the configured ``rate``, and one
+  write in flight per window of answers (TCP's congestion avoidance), the cap lifted at
+  ``burst``: a cluster that answers quickly gets its full rate back.
 
 The decisions are plain methods that take the time (``now``, seconds), so the discrete-event
 model of a burst (:mod:`sandpool.bench.simulate`) runs this same controller on its own clock.
@@ -21,7 +28,7 @@ model of a burst (:mod:`sandpool.bench.simulate`) runs this same controller on i
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import math
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -45,11 +52,9 @@ class RateControl:
         adaptive: False keeps ``rate`` whatever the cluster answers.
         min_rate: The lowest rate a back-off goes to, writes per second.
         decrease: Factor applied to the rate on a back-off (0 < decrease < 1).
-        increase: Writes per second added per second of fast answers (None: ``rate / 10``,
-            so a halved rate is whole again after about 5 s of fast answers).
+        increase: Writes per second added per second of fast answers (None: ``rate / 50``
+            but at least 1, so a halved rate is whole again after about 25 s).
         slow_s: An answer taking longer than this many seconds is a slow one (a back-off).
-        cooldown_s: Seconds after a back-off during which further signals do not back off
-            again (the requests already in flight answer for the same moment).
     """
 
     rate: float = 50.0
@@ -59,7 +64,6 @@ class RateControl:
     decrease: float = 0.5
     increase: float | None = None
     slow_s: float = 1.0
-    cooldown_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.rate <= 0 or self.burst < 1:
@@ -69,8 +73,9 @@ class RateControl:
             raise errors.ConfigError(f"min_rate={self.min_rate} must be in (0, rate={self.rate}]")
         if not 0 < self.decrease < 1:
             raise errors.ConfigError(f"decrease={self.decrease} must be in (0, 1)")
-        if self.slow_s <= 0 or self.cooldown_s < 0 or (self.increase or 1) <= 0:
-            raise errors.ConfigError("slow_s and increase must be positive, cooldown_s >= 0")
+        if self.slow_s <= 0 or (self.increase or 1) <= 0:
+            raise errors.ConfigError(f"slow_s={self.slow_s}, increase={self.increase}: both "
+                                     "must be positive")
 
 
 class RateTrace(BaseModel):
@@ -84,6 +89,7 @@ class RateTrace(BaseModel):
         back_offs: Back-offs by cause (``429``, ``5xx``, ``connection``, ``slow``).
         min_rate: The lowest rate reached.
         final_rate: The rate at the end.
+        min_window: The lowest cap on writes in flight (None: never capped).
     """
 
     cluster: str
@@ -92,12 +98,14 @@ class RateTrace(BaseModel):
     back_offs: dict[str, int]
     min_rate: float
     final_rate: float
+    min_window: int | None = None
 
     def describe(self) -> str:
         """One line: the range of the rate and its back-offs."""
         causes = ", ".join(f"{k} x{v}" for k, v in sorted(self.back_offs.items()))
         start = self.points[0][1] if self.points else self.final_rate
-        return (f"{self.cluster}: {start:.3g}/s, lowest {self.min_rate:.3g}/s, now "
+        window = "" if self.min_window is None else f" ({self.min_window} in flight)"
+        return (f"{self.cluster}: {start:.3g}/s, lowest {self.min_rate:.3g}/s{window}, now "
                 f"{self.final_rate:.3g}/s" + (f"; back-offs {causes}" if causes else "")
                 + ("" if self.adaptive else " (fixed)"))
 
@@ -108,8 +116,10 @@ class AdaptiveRate:
     Usage::
 
         rate = AdaptiveRate(RateControl(50, 100), cluster="east")
-        await rate.acquire()                      # one write token
-        rate.answered(status, seconds, retry_after=...)  # what the cluster said
+        await rate.acquire()                      # one write token and a place in flight
+        ...                                       # send the write
+        rate.answered(loop.time(), status, seconds, retry_after=...)  # what the cluster said
+        rate.release()                            # the write is no longer in flight
 
     Args:
         control: The rate and how it adapts.
@@ -122,21 +132,24 @@ class AdaptiveRate:
         self.control = control
         self.cluster = cluster
         self.rate = control.rate
-        self._increase = control.increase or control.rate / 10
+        self._increase = control.increase or max(1.0, control.rate / 50)
         self._t0 = self._t = _now() if now is None else now
         self.tokens = float(control.burst)
         self.hold_until = self._t0  #: no token is handed out before this time (Retry-After)
+        self.window = math.inf  #: cap on writes in flight (none until a back-off)
+        self.inflight = 0  #: writes acquired and not released
+        self.lowest_window = math.inf
         self._last_back_off = self._last_change = -float("inf")
         self._last_point = self._t0
         self.lowest = self.rate
         self.points: list[tuple[float, float]] = [(0.0, self.rate)]
         self.back_offs: dict[str, int] = {}
         self._fifo = asyncio.Lock()
-        #: Called with the new rate after each change (metrics).
-        self.on_change: list[Callable[[float], None]] = []
+        self._room = asyncio.Event()
 
     def __repr__(self) -> str:
         return (f"<AdaptiveRate {self.cluster or '-'} {self.rate:.3g}/s tokens={self.tokens:.1f}"
+                f" inflight={self.inflight}/{self.window:.3g}"
                 f" back-offs={sum(self.back_offs.values())}>")
 
     @property
@@ -148,15 +161,24 @@ class AdaptiveRate:
     # -- the bucket ------------------------------------------------------------------------
 
     def take(self, now: float) -> float:
-        """Take one token at ``now`` if there is one (returns 0.0); else take nothing and
-        return the seconds until one is due."""
+        """Take one token and a place in flight at ``now`` if both are free (returns 0.0;
+        :meth:`release` the place once answered); else take nothing and return the seconds
+        until a token is due, or ``math.inf`` while the window is full (until a release)."""
+        if self.window < math.inf and self.inflight >= max(1, int(self.window)):
+            return math.inf
         if now < self.hold_until:
             return self.hold_until - now + 1.0 / self.rate
         self._refill(now)
         if self.tokens >= 1.0:
             self.tokens -= 1.0
+            self.inflight += 1
             return 0.0
         return (1.0 - self.tokens) / self.rate
+
+    def release(self) -> None:
+        """A write taken with :meth:`take` or :meth:`acquire` is no longer in flight."""
+        self.inflight -= 1
+        self._room.set()
 
     def _refill(self, now: float) -> None:
         since = max(self._t, self.hold_until)
@@ -165,11 +187,16 @@ class AdaptiveRate:
         self._t = max(self._t, now)
 
     async def acquire(self) -> None:
-        """Wait for one token, first come first served; the wait follows rate changes made
-        while it lasts (a back-off slows the writes already waiting too)."""
+        """Wait for one token and a place in flight, first come first served; the wait
+        follows changes made while it lasts (a back-off slows the writes already waiting
+        too). :meth:`release` the place once the write is answered."""
         async with self._fifo:
             while (wait := self.take(_now())) > 0:
-                await asyncio.sleep(wait)
+                if wait == math.inf:
+                    self._room.clear()
+                    await self._room.wait()
+                else:
+                    await asyncio.sleep(wait)
 
     # -- the controller --------------------------------------------------------------------
 
@@ -180,12 +207,16 @@ class AdaptiveRate:
         Args:
             now: The time of the answer.
             status: The HTTP status, or None for a connection error (refused, reset).
-            seconds: How long the request took.
+            seconds: How long the request took (it was sent at ``now - seconds``).
             retry_after: The answer's ``Retry-After``, in seconds, if any.
         """
-        if retry_after is not None and retry_after > 0 and self.control.adaptive:
+        if not self.control.adaptive:
+            return
+        if retry_after is not None and retry_after > 0:
             self._refill(now)
             self.hold_until = max(self.hold_until, now + retry_after)
+        if now - seconds < self._last_back_off:
+            return  # sent before the last back-off: it says nothing of the rate since
         if status is None:
             self.back_off(now, "connection")
         elif status == 429:
@@ -198,26 +229,29 @@ class AdaptiveRate:
             self._recover(now)
 
     def back_off(self, now: float, cause: str) -> None:
-        """Multiply the rate by ``decrease`` for ``cause``, unless one was made within
-        ``cooldown_s``; counted by cause either way it is applied."""
+        """Multiply the rate by ``decrease`` (not below ``min_rate``) for ``cause``, counted,
+        and empty the bucket."""
         c = self.control
-        if not c.adaptive or now - self._last_back_off < c.cooldown_s:
+        if not c.adaptive:
             return
         self._refill(now)
         self._last_back_off = now
         self.back_offs[cause] = self.back_offs.get(cause, 0) + 1
         self._set(now, max(c.min_rate, self.rate * c.decrease), point=True)
         self.tokens = 0.0  # the cluster just said no: no burst follows
+        self.window = max(1.0, min(self.window, self.inflight) * c.decrease)
+        self.lowest_window = min(self.lowest_window, self.window)
 
     def _recover(self, now: float) -> None:
         c = self.control
-        if not c.adaptive or self.rate >= c.rate:
+        if self.window < math.inf:
+            self.window += 1.0 / self.window
+            if self.window >= c.burst:
+                self.window = math.inf
+        if self.rate >= c.rate:
             return
-        if now - self._last_back_off < c.cooldown_s:
-            return  # answers to requests sent before the back-off say nothing of the new rate
         self._refill(now)
-        since = max(self._last_back_off + c.cooldown_s, self._last_change)
-        rate = min(c.rate, self.rate + self._increase * max(0.0, now - since))
+        rate = min(c.rate, self.rate + self._increase * max(0.0, now - self._last_change))
         self._set(now, rate, point=now - self._last_point >= 1.0 or rate >= c.rate)
 
     def _set(self, now: float, rate: float, *, point: bool) -> None:
@@ -227,14 +261,14 @@ class AdaptiveRate:
         if point:
             self.points.append((now - self._t0, rate))
             self._last_point = now
-        for fn in self.on_change:
-            fn(rate)
 
     def trace(self) -> RateTrace:
         """The rate over time so far (for the report)."""
         return RateTrace(cluster=self.cluster, adaptive=self.control.adaptive,
                          points=list(self.points), back_offs=dict(self.back_offs),
-                         min_rate=self.lowest, final_rate=self.rate)
+                         min_rate=self.lowest, final_rate=self.rate,
+                         min_window=(None if self.lowest_window == math.inf
+                                     else math.floor(self.lowest_window)))
 
 
 def _now() -> float:

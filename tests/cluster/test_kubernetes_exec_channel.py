@@ -173,10 +173,11 @@ async def test_a_policy_cannot_kill_or_signal_the_agent_that_carries_its_command
 _FLOW = "flowcontrol.apiserver.k8s.io"
 
 
-def _throttled_user(cluster, namespace: str, dest) -> tuple:
+def _throttled_user(cluster, namespace: str, dest, shares: int = 0) -> tuple:
     """A ServiceAccount with cluster-admin whose every request API Priority and Fairness puts
-    in a priority level of no nominal seats that rejects what it cannot seat (429 with
-    ``Retry-After``); returns its kubeconfig and a cleanup function."""
+    in a priority level of ``shares`` nominal concurrency shares (0: no seats; 1: a few of
+    the server's) that rejects what it cannot seat (429 with ``Retry-After``); returns its
+    kubeconfig and a cleanup function."""
     name = f"throttled-{namespace}"[:63]
     core, rbac = cluster.core, k8s.RbacAuthorizationV1Api(cluster.api_client)
     core.create_namespaced_service_account(
@@ -189,7 +190,7 @@ def _throttled_user(cluster, namespace: str, dest) -> tuple:
     plc = {"apiVersion": f"{_FLOW}/v1", "kind": "PriorityLevelConfiguration",
            "metadata": {"name": name},
            "spec": {"type": "Limited", "limited": {
-               "nominalConcurrencyShares": 0, "lendablePercent": 0, "borrowingLimitPercent": 0,
+               "nominalConcurrencyShares": shares, "lendablePercent": 0, "borrowingLimitPercent": 0,
                "limitResponse": {"type": "Reject"}}}}
     fs = {"apiVersion": f"{_FLOW}/v1", "kind": "FlowSchema", "metadata": {"name": name},
           "spec": {"priorityLevelConfiguration": {"name": name}, "matchingPrecedence": 500,

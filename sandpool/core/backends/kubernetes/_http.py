@@ -98,13 +98,20 @@ class _Slot:
     async def __aenter__(self) -> None:
         if self._write:
             await self._t.rate.acquire()
-        await self._t._inflight.acquire()
+        try:
+            await self._t._inflight.acquire()
+        except BaseException:  # cancelled: the write never went out
+            if self._write:
+                self._t.rate.release()
+            raise
         self._t._inflight_now += 1
         self._t.inflight_peak = max(self._t.inflight_peak, self._t._inflight_now)
 
     async def __aexit__(self, *exc: object) -> None:
         self._t._inflight_now -= 1
         self._t._inflight.release()
+        if self._write:
+            self._t.rate.release()
 
 
 def resource_of(path: str) -> str:
