@@ -45,13 +45,14 @@ Overlay mounts need root (``CAP_SYS_ADMIN``); :meth:`LocalBackend.preflight` say
 The package: :mod:`.backend` (:class:`LocalBackend`: images, the start sequence, deletion),
 :mod:`.sandbox` (:class:`LocalSandbox`: the agent's channel, in-place restore),
 :mod:`._bwrap` (the bubblewrap argv and what a sandbox sees where), :mod:`.image` (image
-directories), and the host-side helpers ``_oci``, ``_idmap``, ``_idrange``, ``_overlay``,
-``_quota``, ``_cgroup`` and ``_seccomp``. The agent and its channel are
-:mod:`sandpool.core.agent`'s.
+directories), ``_cleanup`` (unmounting a sandbox, reaping dead runs), and the host-side
+helpers ``_oci``, ``_idmap``, ``_idrange``, ``_overlay``, ``_quota``, ``_cgroup`` and
+``_seccomp``. The agent and its channel are :mod:`sandpool.core.agent`'s.
 """
 
 from sandpool.core.backends.local._bwrap import SERVICE_DIR
-from sandpool.core.backends.local.backend import LocalBackend, reap_stale
+from sandpool.core.backends.local._cleanup import reap_stale
+from sandpool.core.backends.local.backend import LocalBackend
 from sandpool.core.backends.local.image import LocalImage, image_dir
 from sandpool.core.backends.local.sandbox import LocalSandbox
 from sandpool.core.service import ServiceSpec

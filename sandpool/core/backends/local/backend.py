@@ -15,16 +15,16 @@ from pathlib import Path
 from sandpool.core import errors
 from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _seccomp
 from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, write_etc
+from sandpool.core.backends.local._cleanup import reap_stale, unmount_sandbox
 from sandpool.core.backends.local.image import LocalImage, image_dir, load_image
 from sandpool.core.backends.local.sandbox import LocalSandbox
 from sandpool.core.base import Backend, ResourceLimits, Sandbox
 from sandpool.core.images import ImageStore, OciImage
 from sandpool.core.mounts import mount_overlay
-from sandpool.core.mounts import umount as _umount
 from sandpool.core.paths import sandpool_home
 from sandpool.core.service import ServiceSpec
 
-__all__ = ["LocalBackend", "reap_stale"]
+__all__ = ["LocalBackend"]
 
 _STREAM_LIMIT = 256 << 20  # bytes; one response line carries a whole (base64) output
 
@@ -308,7 +308,7 @@ class LocalBackend(Backend):
             while self._cgroups.kill(sandbox.id) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
             self._cgroups.remove(sandbox.id)
-        _unmount_sandbox(self.run_id, sandbox.id, sandbox.state_dir)
+        unmount_sandbox(self.run_id, sandbox.id, sandbox.state_dir)
         await _offload(shutil.rmtree, sandbox.state_dir, True)
         await sandbox._agent.aclose("deleted by sandpool")
         if sandbox.budget is not None:
@@ -319,7 +319,7 @@ class LocalBackend(Backend):
     def _cleanup_state(self, sid: str, state: Path) -> None:
         if self._cgroups is not None:
             self._cgroups.kill_and_remove(sid)
-        _unmount_sandbox(self.run_id, sid, state)
+        unmount_sandbox(self.run_id, sid, state)
         shutil.rmtree(state, ignore_errors=True)
 
     def kill(self, sandbox: LocalSandbox) -> None:
@@ -363,18 +363,6 @@ class LocalBackend(Backend):
         await _offload(shutil.rmtree, self._run_dir, True)
 
 
-def _unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
-    # The overlays first (they sit on the quota filesystem and the image's views), then the
-    # views, then the quota filesystem.
-    _umount(state / "merged")
-    _umount(state / "lower")
-    root = _oci.public_dir(run_id) / sid
-    _oci.unmount_views(root)
-    if _idmap.unpublish(root):  # never recursively through a bind still mounted
-        shutil.rmtree(root, ignore_errors=True)
-    _quota.detach(state / "disk", state / "disk.img")
-
-
 async def _offload_ret(fn, *args):  # type: ignore[no-untyped-def]
     return await asyncio.to_thread(fn, *args)
 
@@ -396,32 +384,3 @@ def _running(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in (b"T", b"t", b"Z", b"X")
-
-
-def reap_stale(state_base: Path) -> list[str]:
-    """Remove what dead runs left behind: overlay mounts, cgroups and state directories.
-
-    A run is dead when the pid in its ``owner.pid`` no longer exists (a kill -9 of the
-    runner). Returns the run ids reaped.
-    """
-    reaped = []
-    if not state_base.is_dir():
-        return reaped
-    for run in state_base.iterdir():
-        try:
-            owner = int((run / "owner.pid").read_text())
-        except (OSError, ValueError):
-            owner = -1
-        if owner > 0 and Path(f"/proc/{owner}").exists():
-            continue
-        driver = _cgroup.detect(f"sandpool/{run.name}")
-        for sb in run.glob("sb-*"):
-            if driver is not None:
-                driver.kill_and_remove(sb.name)
-            _unmount_sandbox(run.name, sb.name, sb)
-        if driver is not None:
-            driver.remove_parent()
-        _oci.release_host(_oci.public_dir(run.name))
-        shutil.rmtree(run, ignore_errors=True)
-        reaped.append(run.name)
-    return reaped
