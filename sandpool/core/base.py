@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from sandpool.core import errors
+from sandpool.core.metrics import ClusterStats
 from sandpool.core.rate import AdaptiveRate
 from sandpool.core.telemetry import NO_METRICS, Telemetry
 
@@ -361,6 +362,11 @@ class Backend(abc.ABC):
         """The write bucket of each cluster this backend talks to, by cluster name (none for
         a backend without a control plane)."""
         return {}
+
+    @property
+    def cluster_stats(self) -> list[ClusterStats]:
+        """What was placed on each cluster, for a backend over several (empty otherwise)."""
+        return []
 
     @property
     def api_execs(self) -> int:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, computed_field
 from sandpool.core.rate import RateTrace
 
 __all__ = [
+    "ClusterStats",
     "Outcome",
     "PoolCounters",
     "RejectedTask",
@@ -190,12 +191,49 @@ class RejectedTask(BaseModel):
     reason: str
 
 
+class ClusterStats(BaseModel):
+    """One cluster of a pool over several (:mod:`sandpool.core.backends.multi`).
+
+    Attributes:
+        cluster: Its name.
+        capacity: Its placement weight.
+        created: Sandboxes created on it.
+        live: Its sandboxes not deleted yet.
+        failed_creates: Creations on it that failed.
+        failovers: Of those, creations placed on another cluster because it was unreachable.
+        lost: Its sandboxes found dead when deleted (a rollout on one fails as infra and is
+            retried, on another cluster once this one is down).
+        down: Why it went down, if it did.
+        down_at_s: When, in seconds after the backend was made.
+    """
+
+    cluster: str
+    capacity: float = 1.0
+    created: int = 0
+    live: int = 0
+    failed_creates: int = 0
+    failovers: int = 0
+    lost: int = 0
+    down: str | None = None
+    down_at_s: float | None = None
+
+    def describe(self) -> str:
+        """One line: what was placed there and whether it went down."""
+        line = (f"{self.cluster}: created {self.created}, lost {self.lost}, failed "
+                f"{self.failed_creates}, live {self.live}")
+        if self.down is not None:
+            line += (f"; DOWN at {self.down_at_s or 0:.0f} s, {self.failovers} creations failed "
+                     f"over ({self.down})")
+        return line
+
+
 class Report(BaseModel):
     """The report every run and benchmark writes, as text and as JSON with the same fields.
 
     ``failures`` counts every outcome, ``rejected`` included; ``workload.rollouts`` is what the
     run was asked for, so ``unaccounted`` (requested minus the sum of ``failures``) is 0 after
-    a run that lost nothing. ``write_rates`` is each cluster's write rate over the run.
+    a run that lost nothing. ``write_rates`` is each cluster's write rate over the run, and
+    ``clusters`` what a pool over several clusters placed on each.
     """
 
     workload: Workload
@@ -214,6 +252,7 @@ class Report(BaseModel):
     rollouts: list[RolloutResult] = Field(default_factory=list)
     warnings: list[str] = Field(default_factory=list)
     write_rates: list[RateTrace] = Field(default_factory=list)
+    clusters: list[ClusterStats] = Field(default_factory=list)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -240,6 +279,7 @@ class Report(BaseModel):
             f"{self.pool.claims} claims, evicted {self.pool.evicted}, lost {self.pool.lost}",
             f"  k8s writes   {self.api_writes}, exec streams {self.api_execs}",
             *(f"  write rate   {r.describe()}" for r in self.write_rates),
+            *(f"  cluster      {c.describe()}" for c in self.clusters),
             f"  resets       {self.resets} ok, {self.quarantines} quarantined"
             + (f" (mean {ms(self.pool.reset_total_s / n_resets)}, max {ms(self.pool.reset_max_s)})"
                if (n_resets := self.resets + self.quarantines) else ""),

@@ -1,1 +1,2 @@
-"""Sandbox backends: local (bubblewrap) and kubernetes (agent-sandbox), plus an in-memory one for unit tests."""
+"""Sandbox backends: local (bubblewrap) and kubernetes (agent-sandbox), and
+:mod:`~sandpool.core.backends.multi`, one pool over several clusters (any backends)."""

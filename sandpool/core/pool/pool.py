@@ -411,4 +411,5 @@ class SandboxPool:
             rejected=rejected or [],
             rollouts=results,
             write_rates=[r.trace() for r in self.backend.write_rates.values()],
+            clusters=self.backend.cluster_stats,
         )
