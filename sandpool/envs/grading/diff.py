@@ -248,6 +248,8 @@ async def _read_report(sandbox, d: str) -> tuple[bytes | None, bool]:
     res = await sandbox.exec(f"if [ -f {r} ] && [ ! -L {r} ]; then head -c {MAX_REPORT_BYTES + 1} {r}; "
                              f"else echo missing >&2; fi; rm -rf {d}", timeout=60.0, cwd="/",
                              max_output=MAX_REPORT_BYTES)
+    if res.timed_out:  # a regular file of at most the cap, read with nothing else running
+        raise errors.InfraTimeout(f"reading the verdict report {r} took over 60 s")
     if res.stdout_truncated:
         return None, True
     return (None if "missing" in res.err_text else res.stdout), False
