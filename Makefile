@@ -74,7 +74,7 @@ cluster-build: venv
 	$(VENV)/bin/python hack/cluster/nodebuild.py
 
 bench: sysdeps dockerdeps venv
-	$(VENV)/bin/python bench/local_strategies.py
+	$(VENV)/bin/sandpool bench
 
 clean:
 	rm -rf $(VENV) .venvs .nox reports

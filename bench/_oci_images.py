@@ -1,10 +1,8 @@
-"""The ``--images oci`` half of bench/local_strategies.py: the same workload on OCI images.
+"""The ``--images oci`` half of bench/local_strategies.py: the pack's image directories vs OCI images.
 
-The OCI images are the SWE-bench-shaped test image (``sandpool.envs.taskpack.oci``: Debian
-rootfs, repo at /testbed, its own venv) hydrated under ``n`` names, one task each, the way a
-SWE-bench run has one image per task with shared base layers. Disk per image is measured on
-disk (blocks, hard links once): image directories for the current images; the unique unpacked
-layers for OCI images (and, for reference, what each would take unshared).
+The OCI images are ``sandpool bench --tasks oci``'s (:func:`sandpool.bench.workload.oci_tasks`).
+Disk per image is measured on disk (blocks, hard links once): image directories for the
+current images; the unique unpacked layers for OCI images.
 """
 
 from __future__ import annotations
@@ -13,25 +11,9 @@ import json
 import subprocess
 from pathlib import Path
 
-from sandpool.core.images import ImageStore, hydrate
-from sandpool.core.task import Task
-from sandpool.envs.taskpack.oci import VERSION as IMAGES_VERSION
-from sandpool.envs.taskpack.oci import build_test_images
+from sandpool.core.images import ImageStore
 
-__all__ = ["disk_per_image_current", "oci_tasks", "side_by_side"]
-
-
-def oci_tasks(n: int, store: ImageStore) -> list[Task]:
-    """``n`` tasks, each on its own OCI image name (all the same layers), hydrated if missing."""
-    root = build_test_images()
-    base = json.loads((root / "swe-task.json").read_text())
-    tasks = []
-    for i in range(n):
-        name = f"sandpool.bench/swe-calc-{i}:v{IMAGES_VERSION}"  # new test images, new names
-        if store.resolve(name) is None:
-            hydrate(f"oci:{root / 'layout'}:swe", name=name, store=store)
-        tasks.append(Task.model_validate({**base, "instance_id": f"sandpool__calc-{i}", "image": name}))
-    return tasks
+__all__ = ["disk_per_image_current", "side_by_side"]
 
 
 def _du(paths: list[str]) -> int:
@@ -55,9 +37,13 @@ def _ms(x: float | None) -> str:
 
 
 def side_by_side(cur: dict, oci: dict, disk_cur: float, store: ImageStore, n_oci: int) -> list[str]:
-    """Rows: cold start, warm/reuse TTFC, reset time, disk per image; current | OCI | ratio."""
+    """Rows: cold start, warm/reuse TTFC, reset time, disk per image; current | OCI | ratio.
+
+    ``cur`` and ``oci`` map strategy names to :class:`sandpool.bench.StrategyResult`.
+    """
     def reset_mean(r):  # noqa: ANN001, ANN202
-        return r.pool.reset_total_s / r.pool.resets if r.pool.resets else None
+        pool = r.report.pool
+        return pool.reset_total_s / pool.resets if pool.resets else None
 
     rows = [
         ("cold start p50 (ms)", cur["cold"].ttfc.p50_s, oci["cold"].ttfc.p50_s),
@@ -67,7 +53,7 @@ def side_by_side(cur: dict, oci: dict, disk_cur: float, store: ImageStore, n_oci
         ("reuse TTFC p50 (ms)", cur["reuse"].ttfc.p50_s, oci["reuse"].ttfc.p50_s),
         ("reuse TTFC max (ms)", cur["reuse"].ttfc.max_s, oci["reuse"].ttfc.max_s),
         ("reset mean (ms)", reset_mean(cur["reuse"]), reset_mean(oci["reuse"])),
-        ("reset max (ms)", cur["reuse"].pool.reset_max_s, oci["reuse"].pool.reset_max_s),
+        ("reset max (ms)", cur["reuse"].report.pool.reset_max_s, oci["reuse"].report.pool.reset_max_s),
     ]
     lines = [f"{'':<24}{'current':>12}{'oci':>12}{'oci/current':>13}"]
     for label, a, b in rows:

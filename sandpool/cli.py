@@ -1,4 +1,5 @@
-"""The ``sandpool`` command line: ``run`` (the main job), ``validate``, ``build-pack``, ``images`` and ``gc``."""
+"""The ``sandpool`` command line: ``run`` (the main job), ``validate``, ``bench``, ``build-pack``, ``images``
+and ``gc``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from sandpool.core import errors
@@ -237,6 +239,55 @@ def validate(
         raise typer.Exit(2) from None
     if broken:
         raise typer.Exit(1)
+
+
+@app.command()
+def bench(
+    backend: Annotated[str, typer.Option(help="local or kubernetes.")] = "local",
+    strategies: Annotated[str, typer.Option(help="Comma-separated, run in this order. local: cold, warm, reuse, "
+                                                 "docker-run, docker-exec; kubernetes: pods, warm, reuse.")] = "",
+    tasks: Annotated[str, typer.Option(help="oci (the SWE-bench-shaped OCI test image, one name per task), "
+                                            "default (the task pack) or a task file.")] = "oci",
+    limit: Annotated[int, typer.Option(min=1, help="Tasks, spread over their images.")] = 8,
+    rollouts: Annotated[int, typer.Option(min=1, help="Rollouts per task.")] = 4,
+    concurrency: Annotated[int, typer.Option(min=1, help="Rollouts at once, for every strategy.")] = 8,
+    out: Annotated[Path, typer.Option(help="Directory for bench_<backend>.{txt,json} and the plots.")] = Path("reports/bench"),
+    kubeconfig: Annotated[Path | None, typer.Option(help="kubernetes: the cluster (default: $KUBECONFIG, "
+                                                          "~/.kube/config).")] = None,
+) -> None:
+    """Measure sandpool's strategies beside Docker (or plain pods) and the exec round trip, side by side.
+
+    Prints the table (TTFC mean/p50/p99/max, the exec round trip in a claimed sandbox, rollouts
+    per minute, host CPU per rollout, ...) with its targets, and writes text, JSON and the TTFC
+    CDF (plus the timeline on Kubernetes). The Docker strategies start a Docker daemon of their
+    own (Debian's docker.io) and stop it after.
+    """
+    from sandpool.bench import BenchConfig, run_bench
+
+    try:
+        default = "cold,warm,reuse,docker-run,docker-exec" if backend == "local" else "pods,warm,reuse"
+        cfg = BenchConfig(backend=backend, strategies=tuple(s.strip() for s in (strategies or default).split(",")
+                                                            if s.strip()),
+                          tasks=tasks, limit=limit, rollouts=rollouts, concurrency=concurrency, out=out,
+                          kubeconfig=kubeconfig)
+        report = asyncio.run(run_bench(cfg, say=lambda line: console.print(line, highlight=False)))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        console.print(f"[red]error:[/] --{'-'.join(str(x) for x in err['loc'])}: {err['msg']}")
+        raise typer.Exit(2) from None
+    except FileNotFoundError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    except (errors.InputError, errors.FatalError) as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    print(report.render_text())
+    try:
+        paths = report.write(out, f"bench_{backend}")
+    except errors.FatalError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    console.print("reports: " + "  ".join(str(p) for p in paths))
 
 
 @app.command("build-pack")

@@ -271,28 +271,36 @@ class DockerDaemon:
 
         return docker.DockerClient(base_url=self.host, timeout=int(timeout))
 
-    def has_image(self, name: str) -> bool:
-        """Whether the daemon holds an image named ``name``."""
+    def image_id(self, name: str) -> str | None:
+        """The id (config digest) of the daemon's image ``name``, or None when it has none."""
         import docker
 
         with contextlib.closing(self.client()) as client:
             try:
-                client.images.get(name)
+                return client.images.get(name).id
             except docker.errors.ImageNotFound:
-                return False
-            return True
+                return None
 
     def load(self, source: str, name: str) -> None:
         """Copy the image ``source`` (a skopeo source: ``oci:PATH:TAG``, ``docker://...``) into
-        the daemon as ``name``, unless it holds one of that name already.
+        the daemon as ``name``, unless ``name`` is that very image already (same config digest).
 
         Raises:
-            ImageNotFound: skopeo could not copy it (its message is kept).
+            ImageNotFound: skopeo could not read or copy it (its message is kept).
         """
-        if self.has_image(name):
+        config = subprocess.run(["skopeo", "inspect", "--config", "--raw", source], capture_output=True)
+        if config.returncode == 0 and self.image_id(name) == "sha256:" + hashlib.sha256(config.stdout).hexdigest():
             return
         res = subprocess.run(["skopeo", "copy", "--quiet", "--dest-daemon-host", self.host, source,
                               f"docker-daemon:{name}"], capture_output=True, text=True)
         if res.returncode != 0:
             raise errors.ImageNotFound(f"skopeo copy {source} into the Docker daemon as {name} failed: "
                                        f"{(res.stderr or res.stdout).strip()[-1000:]}")
+
+    def tag(self, name: str, *also: str) -> None:
+        """Give the daemon's image ``name`` the names ``also`` (moving a name that named another)."""
+        with contextlib.closing(self.client()) as client:
+            img = client.images.get(name)
+            for other in also:
+                repo, _, tag = other.rpartition(":")
+                img.tag(repo, tag)
