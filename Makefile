@@ -68,6 +68,7 @@ test: sysdeps dockerdeps venv cluster-build
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
 	$(VENV)/bin/nox -s nemo_gym-0.4 nemo_gym-0.7
 	$(VENV)/bin/nox -s openhands openhands_app
+	$(VENV)/bin/nox -s swebench_harness
 
 cluster-build: venv
 	$(VENV)/bin/python hack/cluster/cluster.py build

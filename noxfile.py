@@ -13,6 +13,11 @@ the interpreter, the pins and sandpool's dependencies; see ``_nemo_venv``):
 The README-commands test (``test_readme_commands.py``) runs in the 0.4 session only: the
 README's install path is the one that resolves here (Python 3.12, nemo-gym 0.4.0).
 
+``nox -s swebench_harness`` runs ``tests/swebench_harness``: sandpool's grading beside swebench
+4.1.0's ``run_evaluation`` on the same tasks, images and patches, in a Docker daemon the test
+starts and stops (Debian's docker.io). It runs in this venv (swebench is a sandpool dependency);
+its task images are cached under ``sandpool_home()``, keyed by their version.
+
 ``nox -s openhands`` runs ``tests/openhands`` with openhands-sdk/-tools/-workspace/-agent-server
 1.58.2, and ``nox -s openhands_app`` runs ``tests/openhands_app`` with openhands-ai 1.11.0
 (the app server; it pins the SDK at 1.34.0, hence a venv of its own). Their venvs are big, so it lives under ``sandpool_home()/venvs/<name>-<hash of the pins>``,
@@ -219,3 +224,10 @@ def openhands_app(session: nox.Session) -> None:
     # backtrack for over 20 minutes; installed after it, they resolve in a minute or two.
     venv = _cached_venv(session, "openhands-app", OPENHANDS_APP, later=("swebench", "datasets", "pyarrow"))
     _run_pytest(session, venv, "tests/openhands_app")
+
+
+@nox.session(python=False)
+def swebench_harness(session: nox.Session) -> None:
+    """Run tests/swebench_harness: the SWE-bench harness's verdicts beside sandpool's (prints the table)."""
+    session.run(sys.executable, "-m", "pytest", "tests/swebench_harness", "-p", "no:cacheprovider", "-s",
+                *session.posargs, env={"SANDPOOL_SWEBENCH_HARNESS": "1"}, external=True)
