@@ -309,11 +309,11 @@ def stop(state: dict[str, Any], bins: Path | None) -> None:
         save_state(state)
     _stop_process(state, "registry")
     # The shims' sockets live in a directory containerd does not let one move; left empty.
-    for d in (Path("/run/containerd/s"), Path("/run/containerd")):
+    for d in (Path("/run/containerd/s"), Path("/run/containerd"), SHORT_ROOT):
         try:
             d.rmdir()
         except OSError:
-            pass  # not empty: another containerd's
+            pass  # not empty: another cluster's
     for k, v in (state.get("sysctls") or {}).items():
         try:
             Path("/proc/sys", k).write_text(v)
