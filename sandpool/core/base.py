@@ -21,6 +21,7 @@ from sandpool.core.telemetry import NO_METRICS, Telemetry
 
 if TYPE_CHECKING:
     from sandpool.core.service import ServiceStream
+    from sandpool.core.snapshot import Snapshot
 
 __all__ = [
     "Backend",
@@ -280,6 +281,42 @@ class Sandbox(abc.ABC):
         raise errors.ConfigError(f"sandbox {self.id} runs no service to connect to; give the "
                                  "backend a ServiceSpec with a socket (local) or port (Kubernetes)")
 
+    async def snapshot(self) -> Snapshot:
+        """Capture the sandbox's filesystem state: the repo, and everything it changed outside
+        the repo since the image (not its processes). See :mod:`sandpool.core.snapshot`.
+
+        Optional: the default raises ``ConfigError`` (the backend cannot snapshot).
+
+        Raises:
+            ConfigError: This backend (or this sandbox's kind of image) cannot snapshot.
+            SandboxDied, ExecTransportError, InfraError: The sandbox or the host failed.
+        """
+        raise errors.ConfigError(f"sandbox {self.id}: this backend ({type(self).__name__}) "
+                                 "cannot take snapshots")
+
+    async def load_snapshot(self, snap: Snapshot) -> None:
+        """Make this pristine sandbox's filesystem ``snap``'s state (:meth:`snapshot` of a
+        sandbox of the same image). The caller verifies it with :meth:`state_hash`.
+
+        Raises:
+            ConfigError: The snapshot is of another image, build or backend, or its data is
+                gone; or this backend cannot restore snapshots.
+            SandboxDied, ExecTransportError, InfraError: The sandbox or the host failed.
+        """
+        raise errors.ConfigError(f"sandbox {self.id}: this backend ({type(self).__name__}) "
+                                 "cannot restore snapshots")
+
+    async def state_hash(self) -> str:
+        """The hash of the sandbox's filesystem state, as :meth:`snapshot` would record it
+        (its ``content_hash``): a sandbox restored from a snapshot shows the snapshot's.
+
+        Raises:
+            ConfigError: This backend cannot snapshot.
+            SandboxDied, ExecTransportError: As for :meth:`exec`.
+        """
+        raise errors.ConfigError(f"sandbox {self.id}: this backend ({type(self).__name__}) "
+                                 "cannot take snapshots")
+
     async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
         """What the rollout changed outside the repo and ``/tmp``, seen from outside the sandbox.
 
@@ -348,6 +385,25 @@ class Backend(abc.ABC):
     async def delete(self, sandbox: Sandbox) -> None:
         """Stop ``sandbox`` and remove everything it made. Idempotent; never raises for a
         sandbox that is already gone."""
+
+    async def suspend(self, sandbox: Sandbox) -> bool:
+        """Freeze every process of ``sandbox`` in place, keeping its memory and state.
+
+        Optional: the default returns False (this backend cannot freeze; a lease's suspend
+        then snapshots the sandbox and lets it go, see :mod:`sandpool.core.pool.snapshots`).
+
+        Returns:
+            True when frozen.
+        """
+        return False
+
+    async def resume(self, sandbox: Sandbox) -> None:
+        """Thaw a sandbox :meth:`suspend` froze (default: nothing to do)."""
+
+    async def discard_snapshot(self, snap: Snapshot, *, keep: Snapshot | None = None) -> None:
+        """Remove what only ``snap`` holds of this backend's snapshot data (none of ``keep``'s):
+        a snapshot nobody will restore again (a superseded checkpoint). Optional; the default
+        keeps everything until :meth:`aclose`. Never raises."""
 
     async def aclose(self) -> None:
         """Release backend-wide resources (clients, state directories)."""

@@ -8,10 +8,12 @@ import os
 import struct
 from pathlib import Path
 
-__all__ = ["MAX_OVERLAY_OPTS", "bind_idmapped", "bind_ro", "bind_rw", "mount_overlay", "umount"]
+__all__ = ["MAX_OVERLAY_OPTS", "bind_idmapped", "bind_ro", "bind_rw", "make_shared", "mount_overlay",
+           "umount"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
+_MS_SHARED = 1 << 20
 _MNT_DETACH = 2
 # The new mount API (linux/mount.h): the same numbers on every architecture (asm-generic).
 _SYS_OPEN_TREE, _SYS_MOVE_MOUNT, _SYS_MOUNT_SETATTR = 428, 429, 442
@@ -75,6 +77,21 @@ def bind_rw(source: Path | str, target: Path | str) -> None:
         if _libc.mount(str(source).encode(), str(target).encode(), None, flags, None) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"bind of {source} on {target}: {os.strerror(err)}")
+
+
+def make_shared(path: Path | str) -> None:
+    """Make directory ``path`` a shared mount point (a bind of itself):
+    what is mounted on it later propagates to every bind of it made after this, in any mount
+    namespace that receives propagation (a sandbox's, whose mounts are slaves of the host's).
+
+    Raises:
+        OSError: A mount call failed.
+    """
+    p = str(path).encode()
+    for src, flags in ((p, _MS_BIND), (None, _MS_SHARED)):
+        if _libc.mount(src, p, None, flags, None) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"making {path} a shared mount: {os.strerror(err)}")
 
 
 def bind_idmapped(source: Path | str, target: Path | str, userns_fd: int) -> None:

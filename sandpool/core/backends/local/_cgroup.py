@@ -9,6 +9,11 @@ the agent's: the agent still answers, kills the bomb and resets the sandbox. Whe
 writable (an unprivileged user, a locked-down container), :func:`detect` returns ``None`` and
 the backend refuses to start unless limits were explicitly waived.
 
+Suspending a sandbox freezes its group (:meth:`CgroupDriver.freeze`): the v1 ``freezer``
+hierarchy, where the sandbox gets a group of its own too, or v2's ``cgroup.freeze``. Every
+process of the sandbox, its agent included, stops where it is and keeps its memory; a frozen
+group's processes are thawed before they are killed (a frozen process cannot die).
+
 Whose a sandbox's death is, is read here too (:class:`BudgetWatch`): the agent cannot be
 signalled from inside, so it dies of the policy's doing only when the budget it lives in ran
 out, and the kernel counts exactly that in the sandbox's own group (on v1 the agent's group,
@@ -20,6 +25,7 @@ came from outside (the host's OOM killer, an operator, the node): infra.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -32,6 +38,8 @@ _ROOT = Path("/sys/fs/cgroup")
 _V1_CONTROLLERS = ("pids", "memory", "cpu")
 _CFS_PERIOD_US = 100_000
 _WORK = "work"
+_FREEZER = _ROOT / "freezer"
+_FREEZE_POLL_S = 0.002
 #: Pids and bytes the sandbox's agent (and bubblewrap's init) may use beyond the policy's limits.
 AGENT_PIDS = 64
 AGENT_MEMORY = 256 * 2**20
@@ -63,6 +71,10 @@ class CgroupDriver:
         dirs = self._dirs(name)
         for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
+        extra = []
+        if (freezer := self._freezer(name)) is not None and self.version == 1:
+            freezer.mkdir(parents=True, exist_ok=True)
+            extra.append(str(freezer / "cgroup.procs"))
         if self.version == 2:
             # v2 only delegates controllers that each ancestor lists in subtree_control.
             node = _ROOT
@@ -85,7 +97,58 @@ class CgroupDriver:
             (dirs[0] / "pids.max").write_text(str(limits.pids))
             (dirs[0] / "memory.max").write_text(str(limits.memory_bytes))
             (dirs[0] / "cpu.max").write_text(f"{quota} {_CFS_PERIOD_US}")
-        return [str(d / "cgroup.procs") for d in dirs]
+        return [str(d / "cgroup.procs") for d in dirs] + extra
+
+    def _freezer(self, name: str) -> Path | None:
+        """The group whose state freezes sandbox ``name``, or None without a freezer."""
+        if self.version == 2:
+            return _ROOT / self.parent / name
+        return _FREEZER / self.parent / name if os.access(_FREEZER, os.W_OK) else None
+
+    def can_freeze(self) -> bool:
+        """True when sandboxes' groups can be frozen (v2, or v1 with a writable freezer)."""
+        return self.version == 2 or os.access(_FREEZER, os.W_OK)
+
+    async def freeze(self, name: str, frozen: bool = True, timeout: float = 10.0) -> bool:
+        """Freeze (``frozen``) or thaw every process of group ``name``; a freeze returns once
+        the kernel reports the whole group frozen.
+
+        Returns:
+            False when this hierarchy has no freezer (nothing was done).
+
+        Raises:
+            TimeoutError: The group did not report frozen within ``timeout`` seconds (it is
+                thawed again).
+            OSError: The group is gone.
+        """
+        g = self._freezer(name)
+        if g is None:
+            return False
+        if self.version == 1:
+            (g / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
+            done = lambda: (g / "freezer.state").read_text().strip() == "FROZEN"  # noqa: E731
+        else:
+            (g / "cgroup.freeze").write_text("1" if frozen else "0")
+            done = lambda: "frozen 1" in (g / "cgroup.events").read_text()  # noqa: E731
+        if not frozen:
+            return True
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                await self.freeze(name, False)
+                raise TimeoutError(f"cgroup {name} did not freeze within {timeout:.0f} s")
+            await asyncio.sleep(_FREEZE_POLL_S)
+        return True
+
+    def _thaw(self, name: str) -> None:
+        g = self._freezer(name)
+        try:
+            if g is not None and self.version == 1:
+                (g / "freezer.state").write_text("THAWED")
+            elif g is not None:
+                (g / "cgroup.freeze").write_text("0")
+        except OSError:
+            pass
 
     def work_procs(self, name: str) -> list[str]:
         """Return the ``cgroup.procs`` files of group ``name``'s ``work`` child, which the
@@ -106,7 +169,9 @@ class CgroupDriver:
         return out
 
     def kill(self, name: str) -> int:
-        """SIGKILL every process in group ``name``; return how many were signalled."""
+        """SIGKILL every process in group ``name`` (thawed first: a frozen process cannot
+        die); return how many were signalled."""
+        self._thaw(name)
         pids = self.pids(name)
         for pid in pids:
             try:
@@ -123,6 +188,11 @@ class CgroupDriver:
                     g.rmdir()
                 except OSError:
                     pass
+        if self.version == 1 and (f := self._freezer(name)) is not None:
+            try:
+                f.rmdir()
+            except OSError:
+                pass
 
     def kill_and_remove(self, name: str, timeout: float = 5.0) -> None:
         """Kill group ``name`` until empty, then remove it; blocking (for the reaper)."""
@@ -134,7 +204,7 @@ class CgroupDriver:
     def remove_parent(self) -> None:
         """Remove this run's parent group(s) once empty; never raises."""
         parents = (
-            [_ROOT / c / self.parent for c in _V1_CONTROLLERS]
+            [_ROOT / c / self.parent for c in _V1_CONTROLLERS] + [_FREEZER / self.parent]
             if self.version == 1
             else [_ROOT / self.parent]
         )

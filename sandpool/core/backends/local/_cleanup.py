@@ -3,6 +3,7 @@ run, and for the leftovers of runs that died (a kill -9 of the runner)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,14 @@ def unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
     """Unmount sandbox ``sid``'s overlays, image views and quota filesystem (idempotent)."""
     # The overlays first (they sit on the quota filesystem and the image's views), then the
     # views, then the quota filesystem.
-    _umount(state / "merged")
+    merged = state / "merged"
+    for _ in range(8):  # a snapshot's stacked overlay, then the sandbox's own
+        if not os.path.ismount(merged):
+            break
+        _umount(merged)
+    _umount(merged)  # the shared bind of itself below them (ismount cannot see a self-bind)
+    for view in (state / "snap-views").glob("*"):
+        _umount(view)
     _umount(state / "lower")
     root = _oci.public_dir(run_id) / sid
     _oci.unmount_views(root)

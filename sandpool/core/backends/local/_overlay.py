@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Change", "count_at_least", "diff", "tree_equal"]
+__all__ = ["Change", "count_at_least", "diff", "diff_merged", "tree_equal"]
 
 _OVL = "trusted.overlay."
 _CHUNK = 1 << 20
@@ -241,3 +241,67 @@ def _entry(lower: str, upper: str, top: str, out: list[Change], pinned: dict[str
         for p in pinned:  # a pinned file absent from the upper layer shows the lower's: not pinned
             if os.path.dirname(p) == rel and os.path.basename(p) not in names:
                 out.append(Change(p, "replace"))
+
+
+def diff_merged(lower: Path | str, layers: list[Path | str], merged: Path | str,
+                under: str = "") -> list[Change]:
+    """List what differs from ``lower`` in the merged view ``merged`` of an overlay stacked
+    over it with ``layers`` (its upper directory, then snapshot layers; see
+    ``_snapshot``), for every path at or below ``under`` that any of ``layers`` holds.
+
+    Only those paths can differ from the image; each is compared through the merged view
+    (host path of the mounted overlay), as :func:`diff` compares an upper entry. A directory
+    that a layer makes opaque is compared whole (:func:`tree_equal`). O(paths the layers hold).
+
+    Returns:
+        The changes, sorted by path, as :func:`diff` gives them.
+    """
+    lower, merged = str(lower), str(merged)
+    top = under.strip("/")
+    found: set[str] = set()
+    opaque: set[str] = set()
+    for layer in layers:
+        start = os.path.join(str(layer), top) if top else str(layer)
+        if _lstat(start) is None:
+            continue
+        found.add(top)
+        todo = [top]
+        while todo:
+            rel = todo.pop()
+            path = os.path.join(str(layer), rel) if rel else str(layer)
+            st = _lstat(path)
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                continue
+            if _opaque(path):
+                opaque.add(rel)
+                continue
+            with os.scandir(path) as it:
+                for e in it:
+                    r = f"{rel}/{e.name}" if rel else e.name
+                    found.add(r)
+                    todo.append(r)
+    out: list[Change] = []
+    replaced: list[str] = []
+    for rel in sorted(found):
+        if any(rel == r or rel.startswith(r + "/") for r in replaced if r) or "" in replaced:
+            continue
+        m = os.path.join(merged, rel) if rel else merged
+        lo = os.path.join(lower, rel) if rel else lower
+        mst, lst = _lstat(m), _lstat(lo)
+        if mst is None and lst is None:
+            continue
+        if mst is None or lst is None:
+            changed = True
+        elif stat.S_ISDIR(mst.st_mode) and stat.S_ISDIR(lst.st_mode):
+            if rel in opaque:
+                changed = not tree_equal(m, lo, whiteouts_absent=False)
+            else:
+                if not _same_attrs(m, mst, lo, lst):
+                    out.append(Change(rel, "meta"))
+                continue
+        else:
+            changed = not _same_leaf(m, mst, lo, lst)
+        if changed:
+            out.append(Change(rel, "replace"))
+            replaced.append(rel)
+    return sorted(out)

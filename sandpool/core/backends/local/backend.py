@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import shutil
@@ -13,16 +14,17 @@ import uuid
 from pathlib import Path
 
 from sandpool.core import errors
-from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _seccomp
+from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _seccomp, _snapshot
 from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, write_etc
 from sandpool.core.backends.local._cleanup import reap_stale, unmount_sandbox
 from sandpool.core.backends.local.image import LocalImage, image_dir, load_image
 from sandpool.core.backends.local.sandbox import LocalSandbox
 from sandpool.core.base import Backend, ResourceLimits, Sandbox
 from sandpool.core.images import ImageStore, OciImage
-from sandpool.core.mounts import mount_overlay
+from sandpool.core.mounts import make_shared, mount_overlay
 from sandpool.core.paths import sandpool_home
 from sandpool.core.service import ServiceSpec
+from sandpool.core.snapshot import Snapshot
 
 __all__ = ["LocalBackend"]
 
@@ -84,6 +86,8 @@ class LocalBackend(Backend):
         self._seq = itertools.count(1)
         self._cgroups = _cgroup.detect(f"sandpool/{self.run_id}")
         self._preflight_ok = False
+        #: Snapshot layers of this run's sandboxes, removed with the run (see ``_snapshot``).
+        self.snapshots = _snapshot.Store(self._run_dir / "snapshots")
 
     def __repr__(self) -> str:
         return f"<LocalBackend run={self.run_id} live={len(self._live)} images={len(self._images)}>"
@@ -168,6 +172,7 @@ class LocalBackend(Backend):
         sid = f"sb-{self.run_id}-{next(self._seq)}"
         state = self._run_dir / sid
         oci = isinstance(img, OciImage)
+        image_repo = "" if oci else img.repo
         if not oci:  # the lower layer is the repo's copy owned by the sandbox's uid (_idmap)
             img = img.model_copy(update={"repo": str(await _offload_ret(_idmap.shifted_repo, img.repo))})
         pass_fds: list[int] = []  # the child's ends, closed once it is spawned
@@ -227,6 +232,8 @@ class LocalBackend(Backend):
                 os.chown(upper, lst.st_uid, lst.st_gid)
                 os.chmod(upper, stat.S_IMODE(lst.st_mode))
                 os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
+                # Shared: a snapshot's overlay mounted over it later shows in the sandbox too.
+                make_shared(merged)
                 mount_overlay([img.repo], upper, work, merged)
                 # The service's directory shares the sandbox's disk quota when there is one.
                 svc = (state / "disk" if self.limits.disk_bytes else state) / "service"
@@ -267,6 +274,9 @@ class LocalBackend(Backend):
             os.close(fd)
         sandbox = LocalSandbox(sid, img, proc, state, upper)
         sandbox.budget, sandbox.ids = budget, ids
+        sandbox.image_repo, sandbox.tmp_dir = image_repo, tmp
+        sandbox.snapshots = self.snapshots
+        sandbox.freezer = functools.partial(self.freeze, sandbox)
         if oci:
             sandbox.lowers = lowers
             if (view / img.repo_dir.lstrip("/") / ".git").is_dir():
@@ -275,7 +285,7 @@ class LocalBackend(Backend):
         self._live[sid] = sandbox
         try:
             try:
-                await _oci.map_ids(info_r, block_w, ids.base, self.start_timeout)
+                sandbox.init_pid = await _oci.map_ids(info_r, block_w, ids.base, self.start_timeout)
             finally:
                 os.close(info_r)
                 os.close(block_w)
@@ -340,9 +350,16 @@ class LocalBackend(Backend):
                     pass
 
     async def freeze(self, sandbox: LocalSandbox, frozen: bool = True) -> None:
-        """SIGSTOP (``frozen``) or SIGCONT every process of the sandbox: a pause that keeps its
-        memory and state; commands sent while frozen wait until it is thawed. Freezing returns
-        once every process is stopped (a few milliseconds; at most 5 s)."""
+        """Freeze (``frozen``) or thaw every process of the sandbox, its agent included: a pause
+        that keeps its memory and state; commands sent while frozen wait until it is thawed.
+        Through its cgroup's freezer (``_cgroup``), else SIGSTOP / SIGCONT where no freezer
+        is writable. Freezing returns once every process is stopped."""
+        if self._cgroups is not None and self._cgroups.can_freeze():
+            try:
+                await self._cgroups.freeze(sandbox.id, frozen)
+                return
+            except OSError:  # its group is gone: the sandbox is dead, nothing to freeze
+                return
         sig = signal.SIGSTOP if frozen else signal.SIGCONT
         pids = {*(self._cgroups.pids(sandbox.id) if self._cgroups is not None else []), sandbox.pid}
         for pid in pids:
@@ -354,8 +371,25 @@ class LocalBackend(Backend):
         while frozen and time.monotonic() < deadline and any(_running(p) for p in pids):
             await asyncio.sleep(0.005)
 
+    async def suspend(self, sandbox: Sandbox) -> bool:
+        """Freeze every process of ``sandbox`` (:meth:`freeze`); True."""
+        assert isinstance(sandbox, LocalSandbox)
+        await self.freeze(sandbox, True)
+        return True
+
+    async def resume(self, sandbox: Sandbox) -> None:
+        """Thaw ``sandbox`` (:meth:`freeze`)."""
+        assert isinstance(sandbox, LocalSandbox)
+        await self.freeze(sandbox, False)
+
+    async def discard_snapshot(self, snap: Snapshot, *, keep: Snapshot | None = None) -> None:
+        """Remove the layers only ``snap`` holds from this run's store (see
+        :meth:`Backend.discard_snapshot`)."""
+        await _offload(self.snapshots.discard, snap, keep)
+
     async def aclose(self) -> None:
-        """Delete every live sandbox, this run's cgroups and state directory."""
+        """Delete every live sandbox, this run's cgroups and state directory (its snapshot
+        store with it: a snapshot to keep is ``save()``-d first)."""
         await asyncio.gather(*(self.delete(sb) for sb in list(self._live.values())))
         if self._cgroups is not None:
             self._cgroups.remove_parent()

@@ -14,13 +14,14 @@ from sandpool.core.agent import service
 from sandpool.core.agent.channel import PipeChannel
 from sandpool.core.agent.client import AgentClient
 from sandpool.core.agent.sandbox import AgentSandbox
-from sandpool.core.backends.local import _oci, _overlay
+from sandpool.core.backends.local import _oci, _overlay, _snapshot
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
 from sandpool.core.backends.local._cgroup import BudgetWatch
 from sandpool.core.backends.local._idrange import IdRange
 from sandpool.core.backends.local.image import LocalImage
 from sandpool.core.images import OciImage
 from sandpool.core.service import ServiceStream
+from sandpool.core.snapshot import Snapshot
 
 __all__ = ["LocalSandbox"]
 
@@ -76,6 +77,19 @@ class LocalSandbox(AgentSandbox):
         #: The sandbox's own range of host ids (``_idrange``), released when it is deleted.
         self.ids: IdRange | None = None
         self._scratch: dict[str, dict] = {}  # scratch dir -> its metadata when fresh
+        #: Where its repo's overlay is mounted on the host (image directories).
+        self.merged = state_dir / "merged"
+        #: The image's repo directory on the host, as built (the image's identity).
+        self.image_repo = image.repo if isinstance(image, LocalImage) else ""
+        #: Host directory of its ``/tmp`` (on its quota filesystem), or None (a tmpfs).
+        self.tmp_dir: Path | None = None
+        #: Host pid of its pid 1 (the agent).
+        self.init_pid = 0
+        #: The stacked overlay of a snapshot it was restored from, or None.
+        self.stack: _snapshot.Stack | None = None
+        #: The backend's snapshot store and freezer (set by the backend).
+        self.snapshots: _snapshot.Store | None = None
+        self.freezer = _no_freezer
         self._channel = PipeChannel(proc, f"sandbox {sid}", evidence=self._evidence)
         self._agent = AgentClient(self._channel, sid)
 
@@ -135,6 +149,11 @@ class LocalSandbox(AgentSandbox):
         """
         if self._lower is None or self.upper is None:
             return None  # no read-only view of the image's repo: the generic path instead
+        if self.stack is not None:
+            if not under.strip("/"):  # the whole repo: its own overlay, pristine, comes back
+                await _snapshot.unstack(self)
+            else:
+                return await self._restore_stacked(under, timeout)
         upper = self._repo_upper()
         prefix = under.strip("/")
         pins = {r: str(p) for r, p in self._pins.items()
@@ -177,6 +196,55 @@ class LocalSandbox(AgentSandbox):
         left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
         return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
             f"restore failed: {m}" for m in msg.get("failed", [])][:20]
+
+    async def _restore_stacked(self, under: str, timeout: float) -> list[str]:
+        # A restored sandbox: the paths any layer holds, compared through the merged view.
+        changes = await asyncio.to_thread(_snapshot.stacked_changes, self, under)
+        if not changes:
+            return []
+        msg = await self._restore_paths(self._image_in_sandbox, [[c.path, c.kind] for c in changes],
+                                        {}, timeout)
+        full = self._disk_full() if {errno.ENOSPC, errno.EDQUOT} & set(msg.get("errnos", [])) else None
+        if full:
+            raise errors.DiskQuotaExceeded(errno.ENOSPC, f"the restore from the image failed ({full}; "
+                                           f"in sandbox {self.id})", under)
+        left = await asyncio.to_thread(_snapshot.stacked_changes, self, under)
+        return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
+            f"restore failed: {m}" for m in msg.get("failed", [])][:20]
+
+    # -- snapshots (see _snapshot) ------------------------------------------------------------
+
+    @property
+    def repo_lower(self) -> Path | None:
+        """Host path of the image's repo as this sandbox sees it (its overlay's lower layer)."""
+        return Path(self._lower) if self._lower is not None else None
+
+    def tmp_host(self) -> Path:
+        """Host path of the sandbox's ``/tmp``: its quota filesystem's directory, or the tmpfs
+        through its pid 1's root."""
+        return self.tmp_dir if self.tmp_dir is not None else Path(f"/proc/{self.init_pid}/root/tmp")
+
+    def _store(self) -> _snapshot.Store:
+        if self.snapshots is None:
+            raise errors.ConfigError(f"sandbox {self.id} was not made by a LocalBackend: no snapshot store")
+        return self.snapshots
+
+    async def snapshot(self) -> Snapshot:
+        """Take a snapshot of the repo and ``/tmp``; see :meth:`Sandbox.snapshot` and
+        ``_snapshot`` (its processes are frozen meanwhile)."""
+        if not self.alive():
+            raise errors.SandboxDied(f"sandbox {self.id} is gone: {self._agent.error}")
+        return await _snapshot.capture(self, self._store())
+
+    async def load_snapshot(self, snap: Snapshot) -> None:
+        """Restore ``snap`` into this pristine sandbox by stacking its layers; see
+        :meth:`Sandbox.load_snapshot` and ``_snapshot``."""
+        await _snapshot.load(self, snap, self._store(), self.state_dir / "snap-views")
+
+    async def state_hash(self) -> str:
+        """The hash of the sandbox's state as a snapshot records it; see
+        :meth:`Sandbox.state_hash`."""
+        return await asyncio.to_thread(_snapshot.state_hash, self, self._store())
 
     def _disk_full(self) -> str | None:
         """Why the sandbox's quota filesystem is full, read on the host (the evidence that an
@@ -257,7 +325,7 @@ class LocalSandbox(AgentSandbox):
         """Take the current bytes of repo files ``paths`` as their pristine state; see
         :meth:`Sandbox.pin_repo_state`. A copy goes to the sandbox's host-side state
         directory, out of the policy's reach; a path that is not a plain file is unpinned."""
-        if self._lower is None or self.upper is None:
+        if self._lower is None or self.upper is None or self.stack is not None:
             return
         upper = self._repo_upper()
         pin_dir = self.state_dir / "pinned"
@@ -278,6 +346,10 @@ class LocalSandbox(AgentSandbox):
             os.chmod(dst, stat.S_IMODE(st.st_mode))
             os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
             self._pins[rel] = dst
+
+
+async def _no_freezer(frozen: bool) -> None:
+    raise errors.ConfigError("this sandbox has no freezer (it was not made by a LocalBackend)")
 
 
 async def _open_unix(path: Path) -> ServiceStream:

@@ -1,0 +1,340 @@
+"""Snapshot layers of local sandboxes: an overlay upper layer copied to the host, and its hash.
+
+A snapshot of a local sandbox is what its overlay's upper layer holds (what changed since the
+image) plus its ``/tmp``. :func:`copy_tree` copies such a tree into a *layer* of the backend's
+snapshot store (under its run directory, out of every sandbox's reach), shifting owners from
+the sandbox's id range to the image store's (``ID_BASE + n``), as image layers are stored; a
+sandbox restored from it sees the layer through an idmapped mount in its own range. A layer
+is never written again once made, so it can be a read-only lower layer of any number of
+sandboxes at once.
+
+The content hash of a tree (:func:`hash_tree`; :func:`copy_tree` returns the same one) is the
+sha256 of one canonical record per entry, in a pre-order walk with names sorted: its path,
+type (directory, file, symlink, fifo, whiteout), permission bits (setuid included), owner and
+group relative to the tree's id base, mtime (ns), user extended attributes and overlay's
+``opaque`` mark, and the sha256 of a file's bytes or a symlink's target. A whiteout records
+only its path. Sockets and device nodes other than whiteouts are not state a snapshot keeps
+(no process can recreate their meaning); they are skipped. The tree's root directory's own
+attributes are not part of the tree's hash (the caller records the root separately).
+
+Cost: every file's bytes are read once, when first seen. :class:`FileMemo` remembers, per
+source file, its sha256 and the immutable copy made of it, keyed by (device, inode, ctime,
+mtime, size): any write, chmod, chown, xattr or utime moves a file's ctime, which no process in
+a sandbox can set, so a file found in the memo is unchanged and its earlier copy is hard-linked
+instead of copied (store layers share one filesystem). A snapshot then costs O(entries) plus
+O(bytes changed since the last snapshot).
+
+Nothing here follows a symlink: entries are ``lstat``-ed, files opened with ``O_NOFOLLOW``, and
+directories walked by name under an open parent.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import hashlib
+import os
+import stat
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandpool.core.images import ID_COUNT
+
+__all__ = ["FileMemo", "TreeHash", "copy_tree", "hash_tree", "root_record"]
+
+_OPAQUE = "trusted.overlay.opaque"
+_NOBODY = 65534  # an owner outside the tree's range (none should be) is counted as nobody
+_CHUNK = 1 << 20
+_MEMO_ENTRIES = 200_000
+
+
+@dataclass(frozen=True)
+class TreeHash:
+    """What a tree holds, hashed.
+
+    Attributes:
+        digest: sha256 hex of the tree's canonical records (see the module docstring).
+        size_bytes: Bytes of its regular files.
+        entries: Entries below its root.
+    """
+
+    digest: str
+    size_bytes: int
+    entries: int
+
+
+Key = tuple[int, int, int, int, int]
+
+
+class FileMemo:
+    """Per source file: its sha256 and an immutable copy of it, by (device, inode, ctime,
+    mtime, size); least recently used entries go past :data:`_MEMO_ENTRIES`."""
+
+    def __init__(self) -> None:
+        self._d: OrderedDict[Key, tuple[str, str | None, Key | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    @staticmethod
+    def key(st: os.stat_result) -> Key:
+        return (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size)
+
+    def sha(self, st: os.stat_result) -> str | None:
+        """The sha256 of the file ``st`` describes, if seen unchanged."""
+        hit = self._d.get(self.key(st))
+        return hit[0] if hit is not None else None
+
+    def copy(self, st: os.stat_result) -> str | None:
+        """The path of an immutable copy of the file ``st`` describes, if one still exists as
+        it was made."""
+        hit = self._d.get(self.key(st))
+        if hit is None or hit[1] is None:
+            return None
+        try:
+            now = os.lstat(hit[1])
+        except OSError:
+            return None
+        return hit[1] if self.key(now) == hit[2] else None
+
+    def put(self, st: os.stat_result, sha: str, copy: str | None = None) -> None:
+        """Record a file's sha256 (and the path of its copy, whose own sha is recorded too)."""
+        ck = None
+        if copy is not None:
+            cst = os.lstat(copy)
+            ck = self.key(cst)
+            self._d[ck] = (sha, copy, ck)
+            self._d.move_to_end(ck)
+        k = self.key(st)
+        self._d[k] = (sha, copy, ck)
+        self._d.move_to_end(k)
+        while len(self._d) > _MEMO_ENTRIES:
+            self._d.popitem(last=False)
+
+
+def _kind(st: os.stat_result) -> str | None:
+    m = st.st_mode
+    if stat.S_ISDIR(m):
+        return "d"
+    if stat.S_ISREG(m):
+        return "f"
+    if stat.S_ISLNK(m):
+        return "l"
+    if stat.S_ISFIFO(m):
+        return "p"
+    if stat.S_ISCHR(m) and st.st_rdev == 0:
+        return "w"
+    return None  # sockets, devices: not kept
+
+
+def _xattrs(path: str) -> dict[str, bytes]:
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:
+        return {}
+    out = {}
+    for n in names:
+        if n.startswith("user.") or n == _OPAQUE:
+            try:
+                out[n] = os.getxattr(path, n, follow_symlinks=False)
+            except OSError:
+                continue
+    return out
+
+
+def _record(rel: str, kind: str, st: os.stat_result, base: int, xattrs: dict[str, bytes],
+            payload: str) -> bytes:
+    if kind == "w":
+        return f"{rel}\0w\n".encode("utf-8", "surrogateescape")
+    xa = ",".join(f"{n}={base64.b64encode(v).decode()}" for n, v in sorted(xattrs.items()))
+    return (f"{rel}\0{kind}\0{stat.S_IMODE(st.st_mode):o}\0{_rel(st.st_uid, base)}\0{_rel(st.st_gid, base)}\0"
+            f"{st.st_mtime_ns}\0{xa}\0{payload}\n").encode("utf-8", "surrogateescape")
+
+
+def _rel(host_id: int, base: int) -> int:
+    rel = host_id - base
+    return rel if 0 <= rel < ID_COUNT else _NOBODY
+
+
+def root_record(path: Path | str, base: int) -> str:
+    """The canonical record of a directory's own attributes (mode, owner relative to ``base``,
+    mtime, xattrs), as one line: what a tree's hash leaves out for its root.
+
+    Raises:
+        OSError: The directory cannot be read.
+    """
+    st = os.lstat(path)
+    return _record(".", "d", st, base, _xattrs(str(path)), "").decode("utf-8", "surrogateescape")
+
+
+def _walk(root: str) -> Iterator[tuple[str, str, os.stat_result]]:
+    """Pre-order, names sorted, never following a symlink: ``(rel, path, lstat)`` of every
+    entry below ``root``."""
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        d = os.path.join(root, rel) if rel else root
+        with os.scandir(d) as it:
+            names = sorted(e.name for e in it)
+        kids = []
+        for name in names:
+            r = f"{rel}/{name}" if rel else name
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            yield r, p, st
+            if stat.S_ISDIR(st.st_mode):
+                kids.append(r)
+        todo.extend(reversed(kids))
+
+
+def _hash_file(path: str, dst_fd: int | None = None) -> str:
+    h = hashlib.sha256()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        while chunk := os.read(fd, _CHUNK):
+            h.update(chunk)
+            if dst_fd is not None:
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(dst_fd, view):]
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def hash_tree(root: Path | str, *, base: int, memo: FileMemo | None = None) -> TreeHash:
+    """The content hash of the tree at host path ``root`` (see the module docstring).
+
+    Args:
+        root: The tree's root directory.
+        base: The host id that owners are counted from (the tree's id range).
+        memo: Reuses the sha256 of files seen unchanged, and records the ones read.
+
+    Raises:
+        OSError: The tree cannot be read.
+    """
+    h, size, n = hashlib.sha256(), 0, 0
+    for rel, path, st in _walk(str(root)):
+        kind = _kind(st)
+        if kind is None:
+            continue
+        n += 1
+        payload = ""
+        if kind == "f":
+            size += st.st_size
+            hit = memo.sha(st) if memo is not None else None
+            if hit is not None:
+                payload = hit
+            else:
+                payload = _hash_file(path)
+                if memo is not None:
+                    memo.put(st, payload)
+        elif kind == "l":
+            payload = os.readlink(path)
+        h.update(_record(rel, kind, st, base, _xattrs(path) if kind != "w" else {}, payload))
+    return TreeHash(h.hexdigest(), size, n)
+
+
+def _set_attrs(path: str, st: os.stat_result, xattrs: dict[str, bytes], src_base: int,
+               dst_base: int) -> None:
+    # Owner first (chown clears setuid bits), then xattrs and mode, mtime last.
+    os.chown(path, dst_base + _rel(st.st_uid, src_base), dst_base + _rel(st.st_gid, src_base),
+             follow_symlinks=False)
+    for n, v in xattrs.items():
+        os.setxattr(path, n, v, follow_symlinks=False)
+    if not stat.S_ISLNK(st.st_mode):
+        os.chmod(path, stat.S_IMODE(st.st_mode))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def copy_tree(src: Path | str, dst: Path | str, *, src_base: int, dst_base: int,
+              memo: FileMemo | None = None, into: bool = False) -> TreeHash:
+    """Copy the tree at ``src`` into the new directory ``dst`` and return its hash.
+
+    Owners move from ``src_base + n`` to ``dst_base + n``; everything else is kept (types,
+    modes with setuid bits, mtimes, user xattrs, overlay's ``opaque`` mark, whiteouts, hard
+    links within the tree). ``dst``'s own attributes are ``src``'s (with ``into``: ``dst``
+    exists, empty, and keeps its own). The hash is
+    :func:`hash_tree`'s of ``src`` (counted from ``src_base``), which is the copy's (counted
+    from ``dst_base``). Nothing may write ``src`` meanwhile (the caller freezes its sandbox).
+
+    Args:
+        src: The tree to copy (an upper layer, a ``/tmp``).
+        dst: Where the copy goes; it must not exist (but with ``into``); its parent must.
+        src_base: The host id base of ``src``'s owners.
+        dst_base: The host id base of the copy's owners.
+        memo: Files seen unchanged are hard-linked from their earlier copy (when it is on the
+            same filesystem) instead of read again; the files copied are recorded.
+
+    Raises:
+        OSError: A read or a write failed (``dst`` is left for the caller to remove).
+    """
+    src, dst = str(src), str(dst)
+    if not into:
+        os.mkdir(dst, 0o700)
+    h, size, n = hashlib.sha256(), 0, 0
+    links: dict[tuple[int, int], str] = {}
+    dirs: list[tuple[str, os.stat_result, dict[str, bytes]]] = []
+    for rel, path, st in _walk(src):
+        kind = _kind(st)
+        if kind is None:
+            continue
+        n += 1
+        out = os.path.join(dst, rel)
+        xattrs = _xattrs(path) if kind != "w" else {}
+        payload = ""
+        if kind == "d":
+            os.mkdir(out, 0o700)
+            dirs.append((out, st, xattrs))
+        elif kind == "w":
+            os.mknod(out, stat.S_IFCHR | 0o600, 0)
+        elif kind == "p":
+            os.mkfifo(out, 0o600)
+        elif kind == "l":
+            payload = os.readlink(path)
+            os.symlink(payload, out)
+        else:
+            size += st.st_size
+            payload, fresh = _copy_file(path, out, st, memo, links)
+            if fresh:  # a new copy: its attributes, then the memo (after its ctime settled)
+                _set_attrs(out, st, xattrs, src_base, dst_base)
+                if memo is not None:
+                    memo.put(st, payload, out)
+        if kind in ("l", "p"):  # a whiteout is overlayfs's, owned as it made it
+            _set_attrs(out, st, xattrs, src_base, dst_base)
+        h.update(_record(rel, kind, st, src_base, xattrs, payload))
+    for out, st, xattrs in reversed(dirs):  # deepest first: adding entries moved their mtimes
+        _set_attrs(out, st, xattrs, src_base, dst_base)
+    if not into:
+        _set_attrs(dst, os.lstat(src), _xattrs(src), src_base, dst_base)
+    return TreeHash(h.hexdigest(), size, n)
+
+
+def _copy_file(path: str, out: str, st: os.stat_result, memo: FileMemo | None,
+               links: dict[tuple[int, int], str]) -> tuple[str, bool]:
+    """Copy one file, or link it to an earlier copy of it; its sha256 and whether it is a new
+    copy (whose attributes the caller sets)."""
+    ident = (st.st_dev, st.st_ino)
+    if st.st_nlink > 1 and ident in links:  # a hard link within the tree stays one
+        os.link(links[ident], out)
+        sha = memo.sha(os.lstat(out)) if memo is not None else None
+        return sha or _hash_file(out), False
+    earlier = memo.copy(st) if memo is not None else None
+    sha = memo.sha(st) if memo is not None else None
+    if earlier is not None and sha is not None:
+        try:
+            os.link(earlier, out)  # the earlier copy is immutable, its attributes the same
+            links[ident] = out
+            return sha, False
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.EXDEV, errno.EMLINK, errno.EPERM):
+                raise
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        sha = _hash_file(path, fd)
+    finally:
+        os.close(fd)
+    links[ident] = out
+    return sha, True
