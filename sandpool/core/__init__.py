@@ -28,6 +28,7 @@ from sandpool.core.pool import Lease, PoolLimits, PoolState, SandboxPool
 from sandpool.core.reset import ResetOutcome, reset_in_place
 from sandpool.core.rollout import Episode, run_rollout
 from sandpool.core.service import ServiceSpec
+from sandpool.core.snapshot import Snapshot
 from sandpool.core.strategies import Cold, Reuse, Strategy, Warm, get_strategy
 from sandpool.core.task import Task
 from sandpool.core.telemetry import PoolMetrics
@@ -66,6 +67,7 @@ __all__ = [
     "SandboxState",
     "SandpoolError",
     "ServiceSpec",
+    "Snapshot",
     "Strategy",
     "TTFCStats",
     "Task",

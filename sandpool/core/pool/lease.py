@@ -12,6 +12,7 @@ from sandpool.core.task import Task
 from sandpool.core.telemetry import Telemetry
 
 if TYPE_CHECKING:
+    from sandpool.core.snapshot import Snapshot
     from sandpool.core.pool.entries import Entry
     from sandpool.core.pool.pool import SandboxPool
 
@@ -34,6 +35,9 @@ class Lease:
         broken: Set when an infra error was seen; the sandbox is then deleted, not reused.
         released: The lease has ended (released, or its pool closed); using it raises
             ``PoolClosed``.
+        restored_from: The snapshot its sandbox was restored from (a claim ``from_snapshot``,
+            a fork's child), until a :meth:`reset` takes it back to the image.
+        suspended: Between :meth:`suspend` and :meth:`resume`; using it raises ``ConfigError``.
     """
 
     def __init__(self, pool: SandboxPool, entry: Entry, task: Task, t_claim: float) -> None:
@@ -46,6 +50,10 @@ class Lease:
         self.ttfc_s: float | None = None
         self.broken: errors.InfraError | None = None
         self.released = False
+        self.restored_from: Snapshot | None = None
+        self.suspended = False
+        #: The snapshot a suspend took where the backend cannot freeze (its sandbox let go).
+        self.parked: Snapshot | None = None
 
     def __repr__(self) -> str:
         return f"<Lease {self.sandbox.id} task={self.task.instance_id} ttfc={self.ttfc_s}>"
@@ -73,9 +81,12 @@ class Lease:
     def _check(self) -> None:
         if self.released:
             raise errors.PoolClosed(f"lease on {self.sandbox.id} was released; claim again")
+        if self.suspended:
+            raise errors.ConfigError(f"lease on {self.sandbox.id} is suspended; await lease.resume() "
+                                     "before using it")
 
     async def _guard(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self.released:
+        if self.released or self.suspended:
             coro.close()  # never started; closing it avoids a "never awaited" warning
             self._check()
         try:
@@ -89,10 +100,15 @@ class Lease:
         """Run a command; see :meth:`sandpool.core.base.Sandbox.exec`. The first call sets TTFC."""
         with Telemetry.span("sandpool.exec", sandbox_id=self.sandbox.id):
             res = await self._guard(self.sandbox.exec(cmd, **kwargs))
+        self._first()
+        return res
+
+    def _first(self) -> None:
+        """TTFC ends now, unless it already has: a first command returned, or a claim from a
+        snapshot verified its restored state (its first look at the sandbox)."""
         if self.ttfc_s is None:
             self.ttfc_s = time.monotonic() - self._t_claim
             self._pool._first_command(self.ttfc_s)
-        return res
 
     async def read_file(self, path: str) -> bytes:
         """Read a file; see :meth:`sandpool.core.base.Sandbox.read_file`."""
@@ -119,6 +135,96 @@ class Lease:
         """
         self._check()
         await self._pool._reset_lease(self)
+
+    async def snapshot(self) -> Snapshot:
+        """Capture the sandbox's filesystem state: the repo and everything changed outside it
+        since the image, not its processes (see :mod:`sandpool.core.snapshot`). The sandbox
+        goes on.
+
+        Returns:
+            A :class:`~sandpool.core.snapshot.Snapshot` (id, image, ``size_bytes``,
+            ``content_hash``); ``save()`` it to keep it past the pool.
+
+        Raises:
+            ConfigError: The backend (or this kind of image) cannot snapshot.
+            InfraError: The sandbox or the host failed (the lease is then broken).
+            PoolClosed: The lease was released.
+        """
+        with Telemetry.span("sandpool.snapshot", sandbox_id=self.sandbox.id):
+            return await self._guard(self.sandbox.snapshot())
+
+    async def fork(self, n: int) -> list[Lease]:
+        """``n`` new leases of this task whose sandboxes start in this one's state now.
+
+        This sandbox goes on; each child is a sandbox of its own, restored from one snapshot
+        of it and verified (:func:`~sandpool.core.pool.snapshots.fork`): no child sees the
+        parent's or a sibling's later changes. Release each child as any lease.
+
+        Raises:
+            ConfigError: ``n`` < 1, or the backend cannot snapshot.
+            InfraError: The snapshot or a restore failed (no child is left leased).
+            PoolClosed: The lease was released.
+        """
+        from sandpool.core.pool import snapshots
+
+        self._check()
+        with Telemetry.span("sandpool.fork", sandbox_id=self.sandbox.id, n=n):
+            return await snapshots.fork(self, n)
+
+    async def suspend(self) -> None:
+        """Freeze the sandbox's processes (locally, its cgroup freezer), or where the backend
+        cannot freeze (Kubernetes), snapshot it and release its sandbox (the pod); see
+        :func:`~sandpool.core.pool.snapshots.suspend`. Until :meth:`resume`, every other
+        call raises ``ConfigError``. Idempotent.
+
+        Raises:
+            ConfigError: The backend can neither freeze nor snapshot.
+            InfraError: The sandbox failed.
+        """
+        from sandpool.core.pool import snapshots
+
+        if self.suspended:
+            return
+        self._check()
+        with Telemetry.span("sandpool.suspend", sandbox_id=self.sandbox.id):
+            await snapshots.suspend(self)
+
+    async def resume(self) -> None:
+        """Thaw the sandbox, or restore the suspend's snapshot into a new sandbox (verified)
+        held under this lease. Idempotent.
+
+        Raises:
+            InfraError: No sandbox could be restored (the lease is then released).
+        """
+        from sandpool.core.pool import snapshots
+
+        if not self.suspended:
+            return
+        if self.released:
+            self._check()
+        with Telemetry.span("sandpool.resume", sandbox_id=self.sandbox.id):
+            await snapshots.resume(self)
+
+    async def replace(self, from_snapshot: Snapshot | None = None) -> None:
+        """Put a fresh sandbox under this lease in place of the current one (deleted): in
+        ``from_snapshot``'s state (restored and verified), or at ``task.base_commit`` without
+        one. How an episode goes on after its sandbox failed (:mod:`sandpool.core.checkpoint`).
+
+        Raises:
+            InfraError: No sandbox could be had or restored (the lease is then released).
+            ConfigError: The snapshot cannot be restored here.
+            PoolClosed: The lease was released.
+        """
+        from sandpool.core.pool import snapshots
+
+        self._check()
+        with Telemetry.span("sandpool.replace", sandbox_id=self.sandbox.id):
+            await snapshots.replace(self, from_snapshot)
+
+    async def discard_snapshot(self, snap: Snapshot, *, keep: Snapshot | None = None) -> None:
+        """Let ``snap``'s data go (a checkpoint superseded by ``keep``, whose data stays);
+        see :meth:`Backend.discard_snapshot <sandpool.core.base.Backend.discard_snapshot>`."""
+        await self._pool.backend.discard_snapshot(snap, keep=keep)
 
     async def release(self, *, reusable: bool = True) -> None:
         """Give the sandbox back (see :meth:`SandboxPool.release

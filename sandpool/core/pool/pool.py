@@ -28,9 +28,11 @@ from sandpool.core.metrics import (
 )
 from sandpool.core.pool.entries import Entries, Entry
 from sandpool.core.pool.lease import Lease
+from sandpool.core.pool import snapshots
 from sandpool.core.pool.limits import PoolLimits, PoolState
 from sandpool.core.pool.worker import PoolWorker
 from sandpool.core.reset import checkout
+from sandpool.core.snapshot import Snapshot
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
 from sandpool.core.telemetry import PoolMetrics, Telemetry, resolve_metrics
@@ -210,14 +212,15 @@ class SandboxPool:
     # -- claim / release -------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def claim(self, task: Task, *, timeout: float | None = None) -> AsyncIterator[Lease]:
+    async def claim(self, task: Task, *, timeout: float | None = None,
+                    from_snapshot: Snapshot | None = None) -> AsyncIterator[Lease]:
         """Claim a sandbox for one rollout of ``task``; release it on exit.
 
         An error inside the block that :func:`~sandpool.core.classify.classify` calls infra
         marks the sandbox broken, so it is deleted rather than reused. Yields a
         :class:`Lease`. Raises as :meth:`acquire`.
         """
-        lease = await self.acquire(task, timeout=timeout)
+        lease = await self.acquire(task, timeout=timeout, from_snapshot=from_snapshot)
         try:
             yield lease
         except Exception as exc:
@@ -230,8 +233,10 @@ class SandboxPool:
         else:
             await self.release(lease)
 
-    async def acquire(self, task: Task, *, timeout: float | None = None) -> Lease:
-        """Claim a sandbox of ``task.image`` at ``task.base_commit``.
+    async def acquire(self, task: Task, *, timeout: float | None = None,
+                      from_snapshot: Snapshot | None = None) -> Lease:
+        """Claim a sandbox of ``task.image`` at ``task.base_commit``, or in ``from_snapshot``'s
+        state.
 
         A warm hit is served at once; a miss waits for a creation (rate-limited) or a reset.
         A claim counts (``counters.claims``, and ``warm_hits`` when an idle sandbox served
@@ -240,6 +245,9 @@ class SandboxPool:
         Args:
             task: The task to run.
             timeout: Seconds to wait (default ``limits.claim_timeout``).
+            from_snapshot: A snapshot of a sandbox of ``task.image``: the claimed sandbox is
+                restored from it and verified (its state hash must be the snapshot's; one that
+                is not is quarantined and another tried; see :mod:`.snapshots`).
 
         Returns:
             A :class:`Lease`; release it with :meth:`release`.
@@ -249,9 +257,12 @@ class SandboxPool:
             SandboxStartError: Creating a sandbox for this claim failed.
             ImageNotFound: Unknown image.
             InputError: ``base_commit`` is not in the image.
+            ConfigError: ``from_snapshot`` is of another image, build or backend.
             PoolClosed: The pool is not open.
         """
         self._check_open()
+        if from_snapshot is not None:
+            from_snapshot.check_target(task.image, None, self.backend.name)
         t0 = time.monotonic()
         with Telemetry.span("sandpool.claim", task_id=task.instance_id, image=task.image) as span:
             await self.hydrate(task.image)
@@ -263,7 +274,9 @@ class SandboxPool:
             self._claimed(warm)
             span.set_attribute("sandpool.warm", warm)
             span.set_attribute("sandpool.sandbox_id", lease.id)
-            return lease
+        if from_snapshot is not None:
+            await snapshots.restore(self, lease, from_snapshot)
+        return lease
 
     def _claimed(self, warm: bool) -> None:
         self.counters.claims += 1
@@ -322,6 +335,13 @@ class SandboxPool:
         """
         if lease.released:
             return
+        if lease.suspended:
+            if lease.parked is not None:  # its sandbox went at the suspend: nothing is held
+                lease.released = True
+                self._leases.discard(lease)
+                return
+            await self.backend.resume(lease.sandbox)  # a frozen sandbox cannot be reset
+            lease.suspended = False
         lease.released = True
         self._leases.discard(lease)
         entry = lease.entry
@@ -342,6 +362,7 @@ class SandboxPool:
         self._check_open()
         entry, task = lease.entry, lease.task
         assert entry.sandbox is not None
+        lease.restored_from = None
         if lease.broken is None and entry.sandbox.alive():
             problems, head = await self._worker.reset_checked(entry, task.base_commit)
             self._check_open()
@@ -352,11 +373,18 @@ class SandboxPool:
                     return
                 problems = [f"could not check out {task.base_commit[:12]} after the reset"]
             self._worker.quarantine(entry, problems)
+        await self._replace_sandbox(lease)
+
+    async def _replace_sandbox(self, lease: Lease, *, dropped: bool = False) -> None:
+        """Swap a fresh sandbox of the lease's image, at its task's commit, in under ``lease``;
+        the old one leaves (deleted, or already ``dropped``). If none can be had the lease is
+        released and the error raised."""
         # The old sandbox leaves the lease (deleted as on a release of a broken one, or
         # quarantined); its delete frees its room under the live cap.
-        self._worker.drop(entry)
+        if not dropped:
+            self._worker.drop(lease.entry)
         try:
-            fresh, warm = await self._entry_at(task, time.monotonic() + self.limits.claim_timeout)
+            fresh, warm = await self._entry_at(lease.task, time.monotonic() + self.limits.claim_timeout)
         except BaseException:
             lease.released = True  # nothing is leased any more
             self._leases.discard(lease)
