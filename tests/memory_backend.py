@@ -4,18 +4,24 @@ cannot produce on demand. Every behaviour tested here is also tested on the loca
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import itertools
+import json
 import re
+from pathlib import Path
 
 from sandpool.core import errors
 from sandpool.core.base import Backend, ExecResult, Sandbox
+from sandpool.core.snapshot import Snapshot
 
 
 class MemorySandbox(Sandbox):
     """Remembers the commit it was checked out at and answers reset/verify commands.
 
     ``restore_repo`` models a backend that restores the repo from the image; set
-    ``restore_fails`` to make it report a path it could not restore."""
+    ``restore_fails`` to make it report a path it could not restore. Its files
+    (``write_file``) are its state for snapshots; ``snapshot_error`` fails the next one."""
 
     def __init__(self, sid: str, image: str, commits: set[str] | None = None) -> None:
         self.id, self.image, self.workdir = sid, image, "/testbed"
@@ -26,6 +32,8 @@ class MemorySandbox(Sandbox):
         self.restore_fails = False
         self.fail_next_exec: errors.SandpoolError | None = None
         self.commands: list[str] = []
+        self.files: dict[str, bytes] = {}
+        self.snapshot_error: errors.SandpoolError | None = None
 
     def alive(self) -> bool:
         return not self.dead
@@ -52,12 +60,41 @@ class MemorySandbox(Sandbox):
             return ["calc.py differs from the image (replace)"]
         self.dirty = False
         self.at = self.head or "0" * 40
+        self.files = {}
         return []
 
+    def _hash(self) -> str:
+        body = json.dumps({k: base64.b64encode(v).decode() for k, v in self.files.items()}, sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()
+
+    async def snapshot(self) -> Snapshot:
+        if self.dead:
+            raise errors.SandboxDied(f"{self.id} is dead")
+        if self.snapshot_error is not None:
+            exc, self.snapshot_error = self.snapshot_error, None
+            raise exc
+        files = {k: base64.b64encode(v).decode() for k, v in self.files.items()}
+        return Snapshot(id=Snapshot.new_id(), image=self.image, image_id="memory", backend="memory",
+                        content_hash=self._hash(), size_bytes=sum(map(len, self.files.values())),
+                        parts=(), location=Path("/nonexistent"), detail={"files": files})
+
+    async def load_snapshot(self, snap: Snapshot) -> None:
+        snap.check_target(self.image, "memory", "memory")
+        self.files = {k: base64.b64decode(v) for k, v in snap.detail["files"].items()}
+        self.dirty = bool(self.files)
+
+    async def state_hash(self) -> str:
+        return self._hash()
+
     async def read_file(self, path: str) -> bytes:
-        return b""
+        if self.dead:
+            raise errors.SandboxDied(f"{self.id} is dead")
+        return self.files.get(path, b"")
 
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        if self.dead:
+            raise errors.SandboxDied(f"{self.id} is dead")
+        self.files[path] = data
         self.dirty = True
 
     async def processes(self) -> list[str]:

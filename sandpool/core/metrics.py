@@ -54,6 +54,8 @@ class RolloutResult(BaseModel):
         policy: Name of the policy that acted.
         sandbox_id: The sandbox of the last attempt.
         row: 1-based row of the task in its tasks file, when known (kept for rejected rows).
+        recoveries: Times the episode's sandbox failed and the episode went on in one
+            restored from its last checkpoint (``checkpoint="step"``).
     """
 
     task_id: str
@@ -68,6 +70,7 @@ class RolloutResult(BaseModel):
     policy: str | None = None
     sandbox_id: str | None = None
     row: int | None = None
+    recoveries: int = 0
 
 
 class TTFCStats(BaseModel):
@@ -113,6 +116,8 @@ class PoolCounters(BaseModel):
         reset_max_s: The slowest in-place reset, in seconds.
         infra_errors: Infra errors seen by leases and creations, by ``SandpoolError.kind``.
         quarantine_reasons: Last reasons for quarantine (bounded list).
+        recoveries: Episodes that went on in a sandbox restored from their last checkpoint
+            after theirs failed (see :mod:`sandpool.core.checkpoint`).
     """
 
     claims: int = 0
@@ -128,6 +133,7 @@ class PoolCounters(BaseModel):
     reset_max_s: float = 0.0
     infra_errors: dict[str, int] = Field(default_factory=dict)
     quarantine_reasons: list[str] = Field(default_factory=list)
+    recoveries: int = 0
 
     def reset_time(self, seconds: float) -> None:
         """Record the duration of one in-place reset attempt."""
@@ -283,6 +289,8 @@ class Report(BaseModel):
             f"  resets       {self.resets} ok, {self.quarantines} quarantined"
             + (f" (mean {ms(self.pool.reset_total_s / n_resets)}, max {ms(self.pool.reset_max_s)})"
                if (n_resets := self.resets + self.quarantines) else ""),
+            *([f"  recoveries   {self.pool.recoveries} (episodes resumed from a checkpoint)"]
+              if self.pool.recoveries else []),
             "  outcomes     " + ", ".join(f"{k} {v}" for k, v in self.failures.items())
             + f" = {sum(self.failures.values())} of {w.rollouts} requested"
             + (f" (UNACCOUNTED {self.unaccounted})" if self.unaccounted else ""),

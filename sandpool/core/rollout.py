@@ -49,9 +49,10 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from sandpool.core import errors
+from sandpool.core.checkpoint import Checkpoints, StepLease
 from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
 from sandpool.core.pool import Lease, SandboxPool
@@ -64,6 +65,8 @@ __all__ = ["Episode", "Grader", "Rollout", "Score", "ends_rollout", "repeat_resu
 #: A one-shot episode: the policy acts in the leased sandbox (raising ``TaskError`` for its own
 #: failure). With a grader, the grader scores what it did; without one, it returns the reward.
 Episode = Callable[[Lease], Awaitable[float | None]]
+
+T = TypeVar("T")
 
 _PROBE = "git rev-parse HEAD"  # the first command: ends TTFC, proves the repo is at base
 _PROBE_TIMEOUT_S = 30.0
@@ -168,6 +171,10 @@ class Rollout:
         claim_retries: Extra claims after an infra failure before the policy acts.
         grade_retries: Extra scorings of the same patch after an infra failure.
         on_result: Called with the record when the rollout ends.
+        checkpoint: ``"step"``: a snapshot after every action of :meth:`step`, and an infra
+            failure of an action recovered from it (see :mod:`sandpool.core.checkpoint`);
+            ``None`` (default): none.
+        recoveries: Recoveries allowed with ``checkpoint``.
 
     Attributes:
         lease: The claimed sandbox while the rollout runs.
@@ -178,7 +185,9 @@ class Rollout:
 
     def __init__(self, pool: SandboxPool, task: Task, *, grader: Grader | None = None, rollout: int = 0,
                  policy: str | None = None, claim_retries: int = 2, grade_retries: int = 2,
-                 on_result: Callable[[RolloutResult], None] | None = None) -> None:
+                 on_result: Callable[[RolloutResult], None] | None = None,
+                 checkpoint: str | None = None, recoveries: int = 2) -> None:
+        self.checkpoints = Checkpoints(checkpoint, recoveries)
         self.pool, self.task, self.grader = pool, task, grader
         self.rollout, self.policy = rollout, policy
         self.claim_retries, self.grade_retries = claim_retries, grade_retries
@@ -196,6 +205,11 @@ class Rollout:
     def __repr__(self) -> str:
         state = self.result.outcome.value if self.result else ("abandoned" if self._abandoned else "running")
         return f"<Rollout {self.task.instance_id}#{self.rollout} {state} lease={self.lease}>"
+
+    @property
+    def recoveries(self) -> int:
+        """Sandboxes that failed under the episode and were replaced from a checkpoint."""
+        return self.checkpoints.recoveries
 
     @property
     def ended(self) -> bool:
@@ -235,6 +249,22 @@ class Rollout:
                 await self.abandon(reusable=False)
                 raise
 
+    def adopt(self, lease: Lease) -> Lease:
+        """Take ``lease``, already claimed (a fork's child: see :meth:`Lease.fork
+        <sandpool.core.pool.Lease.fork>`), as this rollout's sandbox instead of claiming one;
+        its checkpoints start from the snapshot it was restored from. Returns it.
+
+        Raises:
+            PoolClosed: The rollout has ended or already holds a lease.
+        """
+        if self.ended or self.lease is not None:
+            raise errors.PoolClosed(f"{self!r} has ended or holds a lease; adopt into a new Rollout")
+        self.attempts = max(self.attempts, 1)
+        self.lease = self._acted = lease
+        self._sandbox_id = lease.id
+        self.checkpoints.start_from(lease.restored_from)
+        return lease
+
     @contextlib.asynccontextmanager
     async def action(self) -> AsyncIterator[Lease]:
         """Guard one policy action on the lease.
@@ -258,6 +288,28 @@ class Rollout:
             await self.abandon(reusable=False)
             raise
 
+    async def step(self, act: Callable[[Lease], Awaitable[T]], *, checkpoint: bool = True) -> T:
+        """Run one policy action ``act(lease)``, guarded as :meth:`action` guards it; with
+        ``checkpoint="step"`` an infra failure is recovered from the last checkpoint and
+        ``act`` runs again, and a checkpoint is taken after it (unless ``checkpoint`` is
+        False: an action that changes nothing).
+
+        Raises:
+            Whatever ``act`` raised and was not recovered (the rollout ended unless it was a
+            file errno on the policy's path).
+            PoolClosed: The rollout ended or was never claimed.
+        """
+        self._active()
+        try:
+            return await self.checkpoints.run(self, act, checkpoint=checkpoint)
+        except Exception as exc:
+            if ends_rollout(exc):
+                await self.fail(exc)
+            raise
+        except BaseException:
+            await self.abandon(reusable=False)
+            raise
+
     async def finish(self) -> RolloutResult:
         """End the episode: capture the policy's change, reset the sandbox (verified, or swapped
         for a pristine one), score the change there, record, release.
@@ -272,10 +324,12 @@ class Rollout:
         lease = self._active()
         if self.grader is None:
             raise errors.ConfigError("Rollout.finish needs a grader: pass Rollout(..., grader=...)")
-        if lease.broken is not None:  # a sandbox that failed under the policy is never graded
-            return await self.fail(lease.broken)
+        if lease.broken is not None and not await self.checkpoints.recover(self, lease, lease.broken):
+            return await self.fail(lease.broken)  # a sandbox that failed under the policy is never graded
+        grader = self.grader
         try:
-            patch = await self.grader.capture(lease, self.task)
+            patch = await self.checkpoints.run(self, lambda held: grader.capture(held, self.task),
+                                               checkpoint=False)
         except Exception as exc:
             return await self.fail(exc)
         except BaseException:
@@ -314,6 +368,7 @@ class Rollout:
         lease, self.lease = self.lease, None
         if lease is not None:
             await lease.release(reusable=reusable)
+            await self.checkpoints.release(lease)
 
     def _active(self) -> Lease:
         if self.ended or self.lease is None:
@@ -370,11 +425,12 @@ class Rollout:
             task_id=self.task.instance_id, rollout=self.rollout, outcome=outcome, reward=reward,
             attempts=max(self.attempts, 1), ttfc_s=self._acted.ttfc_s if self._acted else None,
             duration_s=time.monotonic() - self._t0, error_kind=kind, error=error, policy=self.policy,
-            sandbox_id=self._sandbox_id)
+            sandbox_id=self._sandbox_id, recoveries=self.recoveries)
         self.pool.telemetry.rollout_done(outcome.value)
         lease, self.lease = self.lease, None
         if lease is not None:
             await lease.release(reusable=reusable)
+            await self.checkpoints.release(lease)  # after: its sandbox may stack on them
         if self.on_result is not None:
             self.on_result(self.result)
         return self.result
@@ -388,7 +444,9 @@ class Rollout:
                     raise
                 return self.result
             try:
-                value = await episode(lease)
+                value = await episode(StepLease(self) if self.checkpoints.mode else lease)
+                if self.lease is not None:
+                    lease = self.lease  # a recovery swapped the sandbox under the same lease
                 if lease.broken is not None:  # it failed under the policy: never graded
                     raise lease.broken
                 if self.grader is None:
@@ -397,7 +455,8 @@ class Rollout:
                     return await self._end(Outcome.COMPLETED, float(value))
                 patch = await self.grader.capture(lease, self.task)
             except Exception as exc:
-                if classify(exc) is Verdict.INFRA and self.attempts <= self.claim_retries:
+                if (classify(exc) is Verdict.INFRA and self.attempts <= self.claim_retries
+                        and not self.checkpoints.mode):  # checkpointed: its steps recovered
                     await self._drop_attempt(exc)  # the episode again, on a fresh claim
                     continue
                 return await self.fail(exc)
@@ -417,6 +476,8 @@ async def run_rollout(
     retries: int = 2,
     grade_retries: int = 2,
     policy: str | None = None,
+    checkpoint: str | None = None,
+    recoveries: int = 2,
 ) -> RolloutResult:
     """Run the one-shot ``episode`` on a sandbox claimed for ``task``, then grade it.
 
@@ -435,6 +496,12 @@ async def run_rollout(
         retries: Infra retries of the episode after the first attempt.
         grade_retries: Infra retries of the scoring (same patch, another pristine sandbox).
         policy: Policy name, for the report.
+        checkpoint: ``"step"``: every ``exec``, ``read_file`` and ``write_file`` of the
+            episode is a step, checkpointed after it; when the sandbox fails under one, the
+            episode goes on in a sandbox restored from the last checkpoint and that call runs
+            again (up to ``recoveries``; see :mod:`sandpool.core.checkpoint`), instead of
+            the episode running again from the start.
+        recoveries: Recoveries allowed with ``checkpoint``.
 
     Returns:
         The :class:`RolloutResult`.
@@ -443,7 +510,7 @@ async def run_rollout(
         FatalError: The backend is unusable or the pool closed; no point continuing the batch.
     """
     acct = Rollout(pool, task, grader=grader, rollout=rollout, policy=policy, claim_retries=retries,
-                   grade_retries=grade_retries)
+                   grade_retries=grade_retries, checkpoint=checkpoint, recoveries=recoveries)
     with Telemetry.span("sandpool.rollout", task_id=task.instance_id, image=task.image,
                         rollout=rollout, policy=policy) as span:
         result = await acct._run(episode)
