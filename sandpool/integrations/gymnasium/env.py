@@ -11,6 +11,8 @@ Usage::
     obs, reward, terminated, truncated, info = env.step("submit")   # runs the tests: reward
     env.close()                            # releases the sandbox, closes the env's own pool
 
+    branches = env.unwrapped.fork(4)       # mid-episode: 4 envs going on from its state now
+
 Spaces, episode rules and infra-failure semantics are documented in
 :mod:`sandpool.integrations.gymnasium.session`; text handling in
 :mod:`sandpool.integrations.gymnasium._text`.
@@ -18,6 +20,7 @@ Spaces, episode rules and infra-failure semantics are documented in
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -139,6 +142,9 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
             or ``"truncate"`` (reward 0.0, ``truncated=True``, the same ``info`` flag: only
             for trainers that mask it). The rollout is reported ``infra_failed`` with no
             reward whichever is chosen. See :mod:`sandpool.integrations.gymnasium.session`.
+        checkpoint_every: ``1``: snapshot the sandbox after every step; when it fails in the
+            middle of a step, the episode goes on in one restored from the step before and the
+            step runs again (``info["recoveries"]``). ``0`` (default): no checkpoints.
         render_mode: Must be ``None`` (no rendering).
 
     Raises:
@@ -166,6 +172,7 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         submit_command: str = "submit",
         claim_retries: int = 2,
         on_infra_failure: str = "nan",
+        checkpoint_every: int = 0,
         render_mode: str | None = None,
     ) -> None:
         if render_mode is not None:
@@ -175,7 +182,7 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
                                 grade_timeout=grade_timeout, max_output_chars=max_output_chars,
                                 max_action_chars=max_action_chars, max_problem_chars=max_problem_chars,
                                 submit_command=submit_command, claim_retries=claim_retries,
-                                on_infra_failure=on_infra_failure)
+                                on_infra_failure=on_infra_failure, checkpoint_every=checkpoint_every)
         self.observation_space, self.action_space = make_spaces(self.config)
         self.render_mode = None
         self._by_id = {t.instance_id: t for t in self.tasks}
@@ -291,6 +298,34 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
             raise gym.error.ResetNeeded("call reset() before write_file()")
         raw = data.encode() if isinstance(data, str) else data
         self._owner.ensure_runner().run(self._session.write_file(path, raw))
+
+    def fork(self, n: int) -> list[SWEEnv]:
+        """``n`` envs that go on from this episode's state now, each in a sandbox of its own
+        and graded on its own (a rollout of its own in the report). This env goes on.
+
+        The children share this env's pool (they neither open nor close it; each holds a
+        sandbox of it, under its ``max_live``: pass ``limits=`` with room for them); ``close``
+        each when done. Their sandboxes start in a snapshot of this one (the repo and ``/tmp``; no
+        process), restored and verified (:meth:`Lease.fork <sandpool.core.pool.Lease.fork>`).
+
+        Raises:
+            gymnasium.error.ResetNeeded: No running episode.
+            ConfigError: ``n`` < 1, or the backend cannot snapshot.
+            InfraError: The fork failed (no child is left running).
+        """
+        self._check_open()
+        if self._session is None:
+            raise gym.error.ResetNeeded("call reset() before fork()")
+        runner = self._owner.ensure_runner()
+        sessions = runner.run(self._session.fork(n))
+        cfg = dataclasses.asdict(self.config)
+        kids = []
+        for session in sessions:
+            kid = SWEEnv(self.tasks, pool=runner, **cfg)
+            kid._session = session
+            kid._owner.sessions.append(session)
+            kids.append(kid)
+        return kids
 
     def prepare(self) -> dict[str, int]:
         """Hydrate every task's image and fill the warm pool for one env (optional).

@@ -36,6 +36,14 @@ Episode, from the policy's side:
     * ``"truncate"``: reward ``0.0``. Opt in only if the trainer masks
       ``info["infra_failed"]`` itself: read without the mask, the 0.0 is indistinguishable
       from a failed attempt.
+
+* With ``checkpoint_every=1`` the sandbox is snapshotted after every step; when it fails in
+  the middle of a step (infra), the episode goes on in a sandbox restored from the step
+  before and the step runs again there (:mod:`sandpool.core.checkpoint`): the step returns
+  as if nothing happened but ``info["recoveries"]``, and only an episode that cannot
+  recover ends ``infra_failed``.
+* :meth:`Session.fork` (``env.unwrapped.fork(n)``) gives n episodes that go on from this
+  one's state now, each in a sandbox of its own and graded on its own.
 """
 
 from __future__ import annotations
@@ -92,6 +100,9 @@ class EnvConfig:
             (default; NaN reward, truncated, flagged in ``info``), ``"raise"`` (the
             ``InfraError``) or ``"truncate"`` (0.0 reward, truncated, flagged). See the
             module docstring.
+        checkpoint_every: ``1``: a checkpoint after every step, and a step whose sandbox
+            fails runs again on one restored from it; ``0`` (default): none. (Only 1: a
+            recovery runs again only the step in flight, never one the policy saw.)
     """
 
     max_steps: int = 30
@@ -103,8 +114,13 @@ class EnvConfig:
     submit_command: str = "submit"
     claim_retries: int = 2
     on_infra_failure: str = "nan"
+    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every not in (0, 1):
+            raise errors.ConfigError(
+                f"checkpoint_every={self.checkpoint_every!r}: use 1 (a checkpoint after every step) "
+                "or 0 (none); a recovery may only run again the step in flight")
         if self.on_infra_failure not in INFRA_FAILURE_MODES:
             raise errors.ConfigError(
                 f"on_infra_failure={self.on_infra_failure!r} is not known; use one of "
@@ -271,14 +287,46 @@ class Session:
         await self.release()  # an abandoned episode's sandbox is reset in place like any other
         self.task, self.steps = task, 0
         self._problem = truncate(to_text(task.problem_statement), self.cfg.max_problem_chars)[0]
-        self.rollout = Rollout(self.runner.pool, task, grader=self.grader,
-                               claim_retries=self.cfg.claim_retries, on_result=self.runner.results.append)
+        self.rollout = self._rollout(task)
         lease = await self.rollout.claim()
         self.done = False
         obs, _ = self._obs()
         info = {"task_id": task.instance_id, "sandbox_id": lease.id,
                 "ttfc_s": float(lease.ttfc_s or 0.0), "claims": self.rollout.attempts}
         return obs, info
+
+    def _rollout(self, task: Task) -> Rollout:
+        return Rollout(self.runner.pool, task, grader=self.grader, claim_retries=self.cfg.claim_retries,
+                       on_result=self.runner.results.append,
+                       checkpoint="step" if self.cfg.checkpoint_every else None)
+
+    async def fork(self, n: int) -> list[Session]:
+        """``n`` sessions that go on from this episode's state now: each holds a sandbox of its
+        own (:meth:`Lease.fork <sandpool.core.pool.Lease.fork>`), the same task and step
+        count, and is a rollout of its own (graded and recorded on its own). This episode goes
+        on.
+
+        Raises:
+            gymnasium.error.ResetNeeded: No episode is running.
+            ConfigError: ``n`` < 1, or the backend cannot snapshot.
+            InfraError: The fork failed (no child is left running; this episode's state is
+                as it was, or it ended ``infra_failed`` if its own sandbox failed).
+        """
+        rollout = self._running()
+        assert self.task is not None
+        try:
+            leases = await rollout.step(lambda lease: lease.fork(n), checkpoint=False)
+        finally:
+            self.done = rollout.ended
+        kids = []
+        for lease in leases:
+            kid = Session(self.runner, self.cfg, self.grader)
+            kid.task, kid.steps, kid._problem = self.task, self.steps, self._problem
+            kid.rollout = kid._rollout(self.task)
+            kid.rollout.adopt(lease)
+            kid.done = False
+            kids.append(kid)
+        return kids
 
     def _running(self) -> Rollout:
         from gymnasium.error import ResetNeeded
@@ -297,8 +345,7 @@ class Session:
         """
         rollout = self._running()
         try:
-            async with rollout.action() as lease:
-                await lease.write_file(path, data)
+            await rollout.step(lambda lease: lease.write_file(path, data))
         finally:
             self.done = rollout.ended
 
@@ -316,25 +363,28 @@ class Session:
                                 "output_truncated": False, "infra_failed": False,
                                 "task_failed": False, "rejected": False}
         try:
-            if action.strip() == self.cfg.submit_command:
-                info["submitted"] = True
-                return self._ended(await rollout.finish(), self._obs()[0], info, by_limit=False)
-            try:
-                async with rollout.action() as lease:
-                    res = await lease.exec(action, timeout=self.cfg.step_timeout)
-            except Exception:
-                if rollout.result is None:  # fatal, or no end of the episode
-                    raise
-                return self._ended(rollout.result, self._obs()[0], info, by_limit=False)
-            obs, cut = self._obs(res.stdout, res.stderr, res.exit_code)
-            info["timed_out"] = res.timed_out
-            info["output_truncated"] = cut or res.stdout_truncated or res.stderr_truncated
-            if self.steps >= self.cfg.max_steps:
-                info["submitted"] = False
-                return self._ended(await rollout.finish(), obs, info, by_limit=True)
-            return StepOutput(obs, 0.0, False, False, info)
+            return await self._step(rollout, action, info)
         finally:
+            info["recoveries"] = rollout.recoveries
             self.done = rollout.ended
+
+    async def _step(self, rollout: Rollout, action: str, info: dict[str, Any]) -> StepOutput:
+        if action.strip() == self.cfg.submit_command:
+            info["submitted"] = True
+            return self._ended(await rollout.finish(), self._obs()[0], info, by_limit=False)
+        try:
+            res = await rollout.step(lambda lease: lease.exec(action, timeout=self.cfg.step_timeout))
+        except Exception:
+            if rollout.result is None:  # fatal, or no end of the episode
+                raise
+            return self._ended(rollout.result, self._obs()[0], info, by_limit=False)
+        obs, cut = self._obs(res.stdout, res.stderr, res.exit_code)
+        info["timed_out"] = res.timed_out
+        info["output_truncated"] = cut or res.stdout_truncated or res.stderr_truncated
+        if self.steps >= self.cfg.max_steps:
+            info["submitted"] = False
+            return self._ended(await rollout.finish(), obs, info, by_limit=True)
+        return StepOutput(obs, 0.0, False, False, info)
 
     def _ended(self, result: RolloutResult, obs: dict[str, Any], info: dict[str, Any], *,
                by_limit: bool) -> StepOutput:

@@ -107,6 +107,7 @@ class SWEVectorEnv(VectorEnv):
         submit_command: str = "submit",
         claim_retries: int = 2,
         on_infra_failure: str = "nan",
+        checkpoint_every: int = 0,
         autoreset_mode: AutoresetMode | str = AutoresetMode.NEXT_STEP,
         render_mode: str | None = None,
     ) -> None:
@@ -128,7 +129,7 @@ class SWEVectorEnv(VectorEnv):
                                 grade_timeout=grade_timeout, max_output_chars=max_output_chars,
                                 max_action_chars=max_action_chars, max_problem_chars=max_problem_chars,
                                 submit_command=submit_command, claim_retries=claim_retries,
-                                on_infra_failure=on_infra_failure)
+                                on_infra_failure=on_infra_failure, checkpoint_every=checkpoint_every)
         self.single_observation_space, self.single_action_space = make_spaces(self.config)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         self.action_space = batch_space(self.single_action_space, num_envs)
