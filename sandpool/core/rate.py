@@ -169,8 +169,8 @@ class AdaptiveRate:
         if now < self.hold_until:
             return self.hold_until - now + 1.0 / self.rate
         self._refill(now)
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
+        if self.tokens >= 1.0 - 1e-9:  # rounding must not leave a waiter a token short forever
+            self.tokens = max(0.0, self.tokens - 1.0)
             self.inflight += 1
             return 0.0
         return (1.0 - self.tokens) / self.rate
