@@ -185,6 +185,15 @@ class Sandbox(abc.ABC):
     async def kill_strays(self) -> int:
         """SIGKILL every process in the sandbox except its agent; return how many."""
 
+    def favour_cpu(self, on: bool) -> None:
+        """Raise (``on``) or restore this sandbox's CPU weight against other sandboxes'.
+
+        The pool raises it while the first command after a claim runs (TTFC), so that command
+        is not queued behind other sandboxes' work (their grading, their resets) on a busy
+        host; the weight is restored when the result is back. A backend without per-sandbox
+        CPU weights does nothing (this default).
+        """
+
     @abc.abstractmethod
     def alive(self) -> bool:
         """Cheap local check that the sandbox has not died (no round trip)."""

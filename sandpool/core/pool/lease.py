@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -19,6 +20,9 @@ if TYPE_CHECKING:
 __all__ = ["Lease"]
 
 T = TypeVar("T")
+
+#: Seconds at most that a lease's first command runs with its sandbox's CPU weight raised.
+FAVOUR_S = 1.0
 
 
 class Lease:
@@ -97,9 +101,22 @@ class Lease:
             raise
 
     async def exec(self, cmd: str | list[str], **kwargs: Any) -> ExecResult:
-        """Run a command; see :meth:`sandpool.core.base.Sandbox.exec`. The first call sets TTFC."""
-        with Telemetry.span("sandpool.exec", sandbox_id=self.sandbox.id):
-            res = await self._guard(self.sandbox.exec(cmd, **kwargs))
+        """Run a command; see :meth:`sandpool.core.base.Sandbox.exec`. The first call sets TTFC;
+        while it runs (for at most :data:`FAVOUR_S`), the sandbox's CPU weight is raised
+        (:meth:`Sandbox.favour_cpu <sandpool.core.base.Sandbox.favour_cpu>`)."""
+        first = self.ttfc_s is None
+        if first:  # what a synchronous batch waits on: not behind other sandboxes' grading
+            sandbox = self.sandbox
+            sandbox.favour_cpu(True)
+            # A first command that runs long is work, not a wait: it gets no more than that.
+            undo = asyncio.get_running_loop().call_later(FAVOUR_S, sandbox.favour_cpu, False)
+        try:
+            with Telemetry.span("sandpool.exec", sandbox_id=self.sandbox.id):
+                res = await self._guard(self.sandbox.exec(cmd, **kwargs))
+        finally:
+            if first:
+                undo.cancel()
+                sandbox.favour_cpu(False)
         self._first()
         return res
 

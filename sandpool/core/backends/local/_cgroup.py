@@ -40,6 +40,9 @@ _CFS_PERIOD_US = 100_000
 _WORK = "work"
 _FREEZER = _ROOT / "freezer"
 _FREEZE_POLL_S = 0.002
+#: CPU weight, in multiples of the default, of a sandbox serving the first command after its
+#: claim (see :meth:`sandpool.core.base.Sandbox.favour_cpu`).
+FIRST_COMMAND_WEIGHT = 8.0
 #: Pids and bytes the sandbox's agent (and bubblewrap's init) may use beyond the policy's limits.
 AGENT_PIDS = 64
 AGENT_MEMORY = 256 * 2**20
@@ -147,6 +150,18 @@ class CgroupDriver:
                 (g / "freezer.state").write_text("THAWED")
             elif g is not None:
                 (g / "cgroup.freeze").write_text("0")
+        except OSError:
+            pass
+
+    def set_cpu_weight(self, name: str, factor: float) -> None:
+        """Set group ``name``'s CPU weight to ``factor`` times the default (1.0: the default),
+        against its sibling sandboxes; never raises (a group already removed has no weight)."""
+        if self.version == 1:
+            path, value = _ROOT / "cpu" / self.parent / name / "cpu.shares", int(1024 * factor)
+        else:
+            path, value = _ROOT / self.parent / name / "cpu.weight", min(10000, max(1, int(100 * factor)))
+        try:
+            path.write_text(str(value))
         except OSError:
             pass
 

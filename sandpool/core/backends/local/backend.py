@@ -273,7 +273,7 @@ class LocalBackend(Backend):
         for fd in pass_fds:
             os.close(fd)
         sandbox = LocalSandbox(sid, img, proc, state, upper)
-        sandbox.budget, sandbox.ids = budget, ids
+        sandbox.budget, sandbox.ids, sandbox.cgroup = budget, ids, self._cgroups
         sandbox.image_repo, sandbox.tmp_dir = image_repo, tmp
         sandbox.snapshots = self.snapshots
         sandbox.freezer = functools.partial(self.freeze, sandbox)

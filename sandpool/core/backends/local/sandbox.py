@@ -16,7 +16,7 @@ from sandpool.core.agent.client import AgentClient
 from sandpool.core.agent.sandbox import AgentSandbox
 from sandpool.core.backends.local import _oci, _overlay, _snapshot
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
-from sandpool.core.backends.local._cgroup import BudgetWatch
+from sandpool.core.backends.local._cgroup import FIRST_COMMAND_WEIGHT, BudgetWatch, CgroupDriver
 from sandpool.core.backends.local._idrange import IdRange
 from sandpool.core.backends.local.image import LocalImage
 from sandpool.core.images import OciImage
@@ -90,6 +90,8 @@ class LocalSandbox(AgentSandbox):
         #: The backend's snapshot store and freezer (set by the backend).
         self.snapshots: _snapshot.Store | None = None
         self.freezer = _no_freezer
+        #: Its CPU cgroup (set by the backend; None without cgroups), for :meth:`favour_cpu`.
+        self.cgroup: CgroupDriver | None = None
         self._channel = PipeChannel(proc, f"sandbox {sid}", evidence=self._evidence)
         self._agent = AgentClient(self._channel, sid)
 
@@ -99,6 +101,12 @@ class LocalSandbox(AgentSandbox):
 
     def _ops(self) -> AgentClient:
         return self._agent
+
+    def favour_cpu(self, on: bool) -> None:
+        """Raise (``on``: :data:`FIRST_COMMAND_WEIGHT` times the default) or restore its CPU
+        weight against the run's other sandboxes (see :meth:`Sandbox.favour_cpu`)."""
+        if self.cgroup is not None:
+            self.cgroup.set_cpu_weight(self.id, FIRST_COMMAND_WEIGHT if on else 1.0)
 
     @property
     def pid(self) -> int:
