@@ -292,9 +292,13 @@ class SandboxExhausted(TaskError):
     lives in exhausted by the sandbox's own processes (a memory-cgroup OOM or a refused fork in
     its group): the policy's failure, scored. Decided by that evidence, never by how the agent
     died: the policy cannot signal it, so a death without the evidence is
-    :class:`SandboxDied`. Also raised when restoring the repo from the image ran out of time
-    with the rollout's own paths over a bound there (counted on the host). The sandbox is
-    deleted, not reused."""
+    :class:`SandboxDied`, and a refusal without it an infra ``ExecTransportError``. Locally the
+    host reads the sandbox's cgroup; on Kubernetes the agent reads its own group's pid
+    controller from inside its container, and a death counts only when the kubelet reports
+    the container ``OOMKilled``. Also raised when restoring the repo from the image ran out of
+    time with the rollout's own paths over a bound there (counted on the host). A sandbox
+    still alive afterwards is reset in place as any other (the reset kills what held its
+    budget); a dead one is deleted."""
 
     kind = "sandbox_exhausted"
 

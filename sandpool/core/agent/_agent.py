@@ -41,8 +41,15 @@ Ops:
                 as "refreshed", or if it cannot write it either, "unwritable"); ``left``:
                 entries still in it
 
-Any op may answer ``{error: "exhausted", message}``: the kernel refused the agent a thread
-(the sandbox's pid budget is spent); the host reads its cgroup to say whose that is.
+Any op may answer ``{error: "exhausted", message, refused?, tasks?, agent_tasks?}``: the
+kernel refused the agent a thread (the sandbox's pid budget is spent). Where the agent can
+read its own cgroup's pid controller (a container's ``/sys/fs/cgroup``), it adds what the
+kernel counted: ``refused`` (the controller's count of refused forks in its group moved
+across the failed start: the group's pid limit refused it, not the machine's), ``tasks``
+(the group's tasks) and ``agent_tasks`` (its own threads); the host says whose it was.
+``ps``, ``kill_strays``, ``read_file``, ``write_file``, ``restore`` and ``scratch`` need no
+thread of their own: refused one, they are served on the main thread (nothing else is read
+meanwhile), so a sandbox whose processes hold every pid can still be emptied and reset.
 """
 
 import base64
@@ -414,6 +421,8 @@ def _kill_strays(_req):
             except OSError:
                 pass
         time.sleep(0.002)
+    if _SELF == 1:
+        _reap()  # the dead hold their pids until reaped: free them before the next request
     return {"killed": len(killed)}
 
 
@@ -689,16 +698,73 @@ _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps":
         "kill_strays": _kill_strays, "restore": _restore, "service": _service, "scratch": _scratch}
 
 
+#: Ops that start neither a thread nor a process: served on the main thread when refused one.
+_INLINE = frozenset({"ps", "kill_strays", "read_file", "write_file", "restore", "scratch"})
+
+
+def _open_pid_events():
+    # The pid controller of the agent's own group, as a container sees it (cgroup v1, then
+    # v2): its directory and an open ``pids.events``; (None, None) where there is no such view
+    # (a local sandbox, a kwok pod).
+    for d in ("/sys/fs/cgroup/pids", "/sys/fs/cgroup"):
+        try:
+            return d, os.open(d + "/pids.events", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+    return None, None
+
+
+_PID_DIR, _PID_EVENTS = _open_pid_events()
+
+
+def _refused_forks():
+    """Forks the pid controller refused to the agent's group so far (its ``max`` event), or None."""
+    if _PID_EVENTS is None:
+        return None
+    try:
+        for line in os.pread(_PID_EVENTS, 256, 0).decode().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "max":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _group_tasks():
+    try:
+        with open(_PID_DIR + "/pids.current") as f:
+            return int(f.read())
+    except (OSError, TypeError, ValueError):
+        return None
+
+
 class _Exhausted(Exception):
-    """The kernel refused the agent a thread: answered ``exhausted``, never a crash."""
+    """The kernel refused the agent a thread: answered ``exhausted``, never a crash.
+
+    ``refused``: whether the pid controller counted a refused fork in the agent's group across
+    the failed start (None: it cannot be read)."""
+
+    def __init__(self, message, refused):
+        super().__init__(message)
+        self.refused = refused
+
+    def answer(self):
+        body = {"error": "exhausted", "message": str(self)}
+        if self.refused is not None:
+            body.update(refused=self.refused, tasks=_group_tasks(),
+                        agent_tasks=threading.active_count())
+        return body
 
 
 def _thread(target, *args):
     t = threading.Thread(target=target, args=args, daemon=True)
+    before = _refused_forks()
     try:
         t.start()
     except RuntimeError as exc:  # "can't start new thread": no pid left in the sandbox's budget
-        raise _Exhausted(str(exc)) from None
+        after = _refused_forks()
+        raise _Exhausted(str(exc), None if before is None or after is None else after > before) from None
     return t
 
 
@@ -707,25 +773,29 @@ def _serve(req):
     try:
         body = _OPS[req["op"]](req)
     except _Exhausted as exc:
-        body = {"error": "exhausted", "message": str(exc)}
+        body = exc.answer()
     except Exception as exc:  # report every failure to the host; the agent stays up
         body = {"error": "agent_exception", "message": f"{type(exc).__name__}: {exc}"}
     body["id"] = rid
     _send(body)
 
 
-def _reap_orphans():
+def _reap():
     # Pid 1's duty: collect the dead orphans re-parented to the agent (a double fork's child,
     # what kill_strays killed), never one of its own commands (their exec waits for them).
+    with _spawn_lock:
+        for pid in _children_of().get(_SELF, []):
+            if pid not in _spawned and _zombie(pid):
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
+
+def _reap_orphans():
     while True:
         time.sleep(0.2)
-        with _spawn_lock:
-            for pid in _children_of().get(_SELF, []):
-                if pid not in _spawned and _zombie(pid):
-                    try:
-                        os.waitpid(pid, os.WNOHANG)
-                    except ChildProcessError:
-                        pass
+        _reap()
 
 
 def _protect():
@@ -766,8 +836,10 @@ def main():
         try:
             _thread(_serve, req)
         except _Exhausted as exc:
-            _send({"id": req.get("id") if isinstance(req, dict) else None, "error": "exhausted",
-                   "message": str(exc)})
+            if isinstance(req, dict) and req.get("op") in _INLINE:
+                _serve(req)  # no thread needed: the sandbox can still be emptied and reset
+            else:
+                _send({"id": req.get("id") if isinstance(req, dict) else None, **exc.answer()})
 
 
 if __name__ == "__main__":

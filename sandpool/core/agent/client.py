@@ -59,13 +59,40 @@ def exec_result(msg: dict) -> ExecResult:
 
 class AgentStarved(errors.ExecTransportError):
     """The agent answered ``exhausted``: the kernel refused it a thread for ``op``. Infra as it
-    stands; the sandbox maps it to ``SandboxExhausted`` when its backend has evidence that the
-    sandbox's own processes spent the budget (:meth:`AgentSandbox._evidence`)."""
+    stands; the sandbox maps it to ``SandboxExhausted`` when there is evidence that the
+    sandbox's own processes spent the budget (:meth:`AgentSandbox._starved_evidence`).
 
-    def __init__(self, op: str, detail: str, message: str) -> None:
+    Attributes:
+        op: The request refused.
+        detail: The agent's message.
+        refused: What the agent read in its own cgroup (a container's): True when the pid
+            controller counted the refusal in its group, False when it did not (the machine,
+            not the group, was out of pids or memory), None when it cannot read one.
+        tasks: The group's tasks then (processes and threads), when read.
+        agent_tasks: The agent's own threads then, when read.
+    """
+
+    def __init__(self, op: str, detail: str, message: str, *, refused: bool | None = None,
+                 tasks: int | None = None, agent_tasks: int | None = None) -> None:
         super().__init__(message)
         self.op = op
         self.detail = detail
+        self.refused = refused
+        self.tasks = tasks
+        self.agent_tasks = agent_tasks
+
+    def evidence(self) -> list[str]:
+        """The agent's own account as evidence that the sandbox's processes spent its pid
+        budget, one sentence (empty: none). It is, when the pid controller refused the agent's
+        thread in its group and the group's other tasks (the commands' processes) outnumber
+        the agent's threads: the budget is the sandbox's, and its processes hold it."""
+        if not self.refused or self.tasks is None or self.agent_tasks is None:
+            return []
+        others = self.tasks - self.agent_tasks
+        if others <= self.agent_tasks:
+            return []
+        return [(f"its pid limit was reached: the kernel's pid controller refused the agent a "
+                 f"thread while {others} of its group's {self.tasks} tasks were its processes'")]
 
 
 def _retrieve(fut: asyncio.Future) -> None:
@@ -226,7 +253,8 @@ class AgentClient:
             _retrieve(fut)  # the reader may have failed it while we were raising something else
         if msg.get("error") == "exhausted":
             raise AgentStarved(op, msg["message"], f"sandbox {self.name}: agent failed {op!r}: "
-                               f"{msg['message']}")
+                               f"{msg['message']}", refused=msg.get("refused"),
+                               tasks=msg.get("tasks"), agent_tasks=msg.get("agent_tasks"))
         if msg.get("error") == "agent_exception":
             raise errors.ExecTransportError(f"sandbox {self.name}: agent failed {op!r}: {msg['message']}")
         return msg

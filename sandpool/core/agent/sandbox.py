@@ -51,10 +51,20 @@ class AgentSandbox(Sandbox):
         channel is the only evidence)."""
         return None
 
+    async def _ended(self) -> errors.SandpoolError | None:
+        """After a request's channel failed: the error for a sandbox its backend knows, or
+        learns soon, is dead (default: :meth:`_gone` as it stands)."""
+        return self._gone()
+
     def _evidence(self) -> list[str]:
         """What shows the sandbox's own processes spent its budget, one sentence each (default:
         the backend cannot tell, none)."""
         return []
+
+    def _starved_evidence(self, exc: AgentStarved) -> list[str]:
+        """What shows the agent was refused a thread because the sandbox's own processes spent
+        its budget (default: :meth:`_evidence`, the backend's own reading)."""
+        return self._evidence()
 
     def alive(self) -> bool:
         """False once the sandbox is known dead or its agent's channel ended (no round trip)."""
@@ -72,9 +82,10 @@ class AgentSandbox(Sandbox):
         try:
             res = await op(self._ops())
         except (errors.ExecTransportError, errors.SandboxDied) as exc:
-            if (err := self._gone()) is not None:  # the channel broke because the sandbox died
+            err = self._gone() if isinstance(exc, AgentStarved) else await self._ended()
+            if err is not None:  # the channel broke because the sandbox died
                 raise err from None
-            if isinstance(exc, AgentStarved) and (evidence := self._evidence()):
+            if isinstance(exc, AgentStarved) and (evidence := self._starved_evidence(exc)):
                 raise errors.SandboxExhausted(
                     f"sandbox {self.id}: its agent could not serve {exc.op!r} ({exc.detail}): "
                     f"{'; '.join(evidence)}") from None

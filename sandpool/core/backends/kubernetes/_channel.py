@@ -189,6 +189,12 @@ class PodExecChannel(Channel):
         """True until the stream ended."""
         return not self._done.is_set() and not self._ws.closed
 
+    @property
+    def ended_cleanly(self) -> bool:
+        """True once the stream ended without a transport error: the server closed it (as it
+        does when the agent's process, or its container, ended) or sent the command's status."""
+        return self._done.is_set() and self._error is None and self.unreached is None
+
     async def aclose(self) -> None:
         """Close the agent's stdin (``v5``: it reads EOF and exits, and the stream ends with its
         status, waited for at most 2 s), then the WebSocket; idempotent."""

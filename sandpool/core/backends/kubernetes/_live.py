@@ -17,7 +17,7 @@ from typing import Any
 from sandpool.core.backends.kubernetes._exec import ExecTarget
 from sandpool.core.backends.kubernetes._http import KubeHttp
 from sandpool.core.backends.kubernetes._images import PodImages
-from sandpool.core.backends.kubernetes._pods import pod_death
+from sandpool.core.backends.kubernetes._pods import death_evidence, pod_death
 from sandpool.core.backends.kubernetes._presession import Presessions
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
@@ -95,7 +95,8 @@ class LiveSandboxes:
             return
         sb = self._by_pod.get(pod["metadata"]["name"])
         if sb is not None and (why := pod_death(pod, sb.pod_uid)):
-            sb._mark_dead(why)
+            same = pod["metadata"].get("uid") == sb.pod_uid  # a replacement's status is not its
+            sb._mark_dead(why, death_evidence(pod) if same else [])
 
     async def start(
         self, image: str, pod: Mapping[str, Any], sid: str, claim: str | None,

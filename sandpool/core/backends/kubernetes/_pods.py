@@ -15,7 +15,7 @@ from sandpool.core.backends.kubernetes._images import PodImages
 from sandpool.core.backends.kubernetes._manifests import ns_path
 from sandpool.core.backends.kubernetes._watch import Informer
 
-__all__ = ["Pods", "cond", "pod_death", "pod_ready", "pod_start_failure"]
+__all__ = ["Pods", "cond", "death_evidence", "pod_death", "pod_ready", "pod_start_failure"]
 
 _START_FAIL_WAITING = frozenset(
     {
@@ -90,6 +90,21 @@ def pod_death(pod: Mapping[str, Any] | None, uid: str) -> str | None:
     if meta.get("deletionTimestamp"):
         return f"the pod is being deleted{' (' + status['reason'] + ')' if status.get('reason') else ''}"
     return None
+
+
+def death_evidence(pod: Mapping[str, Any] | None) -> list[str]:
+    """What in a dead pod's status shows its own processes killed it, one sentence each: a
+    container the kubelet reports ``OOMKilled`` (the runtime saw a memory-cgroup OOM of its
+    container or pod: the limit the pod's processes share was reached). Anything else (a
+    SIGKILL from the node, an eviction, a delete) is no evidence: the policy cannot signal the
+    agent, its container's pid 1."""
+    out = []
+    for cs in ((pod or {}).get("status") or {}).get("containerStatuses") or []:
+        term = (cs.get("state") or {}).get("terminated") or {}
+        if term.get("reason") == "OOMKilled":
+            out.append(f"the kubelet reports its container {cs.get('name')} OOMKilled: the memory "
+                       "limit its processes share was reached")
+    return out
 
 
 class Pods:

@@ -9,11 +9,13 @@ backend's shared pod watch, and the service's place in the pod.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from typing import TYPE_CHECKING
 
 from sandpool.core import errors
-from sandpool.core.agent.client import AgentOps
+from sandpool.core.agent.client import AgentOps, AgentStarved
 from sandpool.core.agent.sandbox import AgentSandbox
 from sandpool.core.backends.kubernetes._exec import ExecTarget, ShellExec
 from sandpool.core.backends.kubernetes._portforward import PortStream, open_port
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
     from sandpool.core.backends.kubernetes._http import KubeHttp
 
 __all__ = ["KubernetesSandbox"]
+
+#: Seconds a sandbox whose agent's stream ended waits for the pod watch to say why (the
+#: kubelet reports a container's end within seconds); past it the end is a transport error.
+_DEATH_WAIT_S = 30.0
 
 
 class KubernetesSandbox(AgentSandbox):
@@ -68,6 +74,8 @@ class KubernetesSandbox(AgentSandbox):
         self._http = http
         self._target = target
         self._dead: str | None = None
+        self._death_evidence: list[str] = []
+        self._dead_event = asyncio.Event()
         self._session: AgentSession | None = None
         self._shell = ShellExec(http, target)
 
@@ -100,15 +108,39 @@ class KubernetesSandbox(AgentSandbox):
     def _gone(self) -> errors.SandpoolError | None:
         return self._died() if self._dead is not None else None
 
-    def _mark_dead(self, reason: str) -> None:
-        """The pod watch saw the pod deleted, evicted, failed or replaced: every later request,
-        and any answer still due, raises ``SandboxDied`` naming ``reason``."""
+    def _mark_dead(self, reason: str, evidence: list[str] | None = None) -> None:
+        """The pod watch saw the pod deleted, evicted, failed or replaced (or sandpool ended it):
+        every later request, and any answer still due, raises ``SandboxDied`` naming
+        ``reason``, or ``SandboxExhausted`` with ``evidence`` that the pod's own processes
+        killed it (:func:`._pods.death_evidence`). The first account stands."""
         if self._dead is None:
             self._dead = reason
+            self._death_evidence = list(evidence or [])
+            self._dead_event.set()
 
-    def _died(self) -> errors.SandboxDied:
-        return errors.SandboxDied(
-            f"sandbox {self.id} (pod {self._target.namespace}/{self.pod}): {self._dead}")
+    def _died(self) -> errors.SandboxDied | errors.SandboxExhausted:
+        where = f"sandbox {self.id} (pod {self._target.namespace}/{self.pod})"
+        if self._death_evidence:
+            return errors.SandboxExhausted(f"{where}: {self._dead}, and "
+                                           f"{'; '.join(self._death_evidence)}")
+        return errors.SandboxDied(f"{where}: {self._dead} (no OOM kill reported for its "
+                                  "container: not its processes' doing)")
+
+    def _starved_evidence(self, exc: AgentStarved) -> list[str]:
+        # The agent, its container's pid 1, read its own group's pid controller: no view of
+        # the pod from outside is needed (or available to sandpool on a user's cluster).
+        return exc.evidence()
+
+    async def _ended(self) -> errors.SandpoolError | None:
+        """The agent's stream ended without a transport error (its process exited): wait, for
+        at most :data:`_DEATH_WAIT_S`, for the pod watch to say why, so that the death is
+        judged by the pod's status (an OOM kill is the policy's) rather than as a lost
+        stream."""
+        session = self._session
+        if self._dead is None and session is not None and session.ended_cleanly:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._dead_event.wait(), _DEATH_WAIT_S)
+        return self._gone()
 
     async def _close_session(self) -> None:
         if self._session is not None:

@@ -98,6 +98,12 @@ class AgentSession:
         return bytes(self.channel.stderr_tail) if self.channel is not None else b""
 
     @property
+    def ended_cleanly(self) -> bool:
+        """True once the stream ended without a transport error (see
+        :attr:`PodExecChannel.ended_cleanly`)."""
+        return self.channel is not None and self.channel.ended_cleanly
+
+    @property
     def alive(self) -> bool:
         """True from :meth:`start` until the stream ended."""
         return self.client is not None and self.client.alive()
