@@ -22,7 +22,7 @@ source file, its sha256 and the immutable copy made of it, keyed by (device, ino
 mtime, size): any write, chmod, chown, xattr or utime moves a file's ctime, which no process in
 a sandbox can set, so a file found in the memo is unchanged and its earlier copy is hard-linked
 instead of copied (store layers share one filesystem). A snapshot then costs O(entries) plus
-O(bytes changed since the last snapshot).
+O(bytes changed since the last snapshot), and so does hashing a stack of layers again.
 
 Nothing here follows a symlink: entries are ``lstat``-ed, files opened with ``O_NOFOLLOW``, and
 directories walked by name under an open parent.
@@ -65,12 +65,19 @@ class TreeHash:
     entries: int
 
 
-Key = tuple[int, int, int, int, int]
+Key = tuple[int, ...]
 
 
 class FileMemo:
-    """Per source file: its sha256 and an immutable copy of it, by (device, inode, ctime,
-    mtime, size); least recently used entries go past :data:`_MEMO_ENTRIES`."""
+    """Per file seen: its sha256, and for a source file the immutable copy made of it; least
+    recently used entries go past :data:`_MEMO_ENTRIES`.
+
+    A source file (an upper layer's, a ``/tmp``'s) is known by (device, inode, ctime, mtime,
+    size). A copy in the store is known without its ctime: the store's files are never
+    written after they are made, only linked into later layers, which moves the ctime; its
+    mode, owner and xattrs are read again each time (the hash's records), its content by
+    (device, inode, mtime, size).
+    """
 
     def __init__(self) -> None:
         self._d: OrderedDict[Key, tuple[str, str | None, Key | None]] = OrderedDict()
@@ -79,17 +86,20 @@ class FileMemo:
         return len(self._d)
 
     @staticmethod
-    def key(st: os.stat_result) -> Key:
+    def key(st: os.stat_result, *, store: bool = False) -> Key:
+        if store:
+            return ("store", st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
         return (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size)
 
-    def sha(self, st: os.stat_result) -> str | None:
-        """The sha256 of the file ``st`` describes, if seen unchanged."""
-        hit = self._d.get(self.key(st))
+    def sha(self, st: os.stat_result, *, store: bool = False) -> str | None:
+        """The sha256 of the file ``st`` describes (a copy in the store: ``store``), if seen
+        unchanged."""
+        hit = self._d.get(self.key(st, store=store))
         return hit[0] if hit is not None else None
 
     def copy(self, st: os.stat_result) -> str | None:
-        """The path of an immutable copy of the file ``st`` describes, if one still exists as
-        it was made."""
+        """The path of the store's copy of the source file ``st`` describes, if it still
+        exists as it was made."""
         hit = self._d.get(self.key(st))
         if hit is None or hit[1] is None:
             return None
@@ -97,17 +107,16 @@ class FileMemo:
             now = os.lstat(hit[1])
         except OSError:
             return None
-        return hit[1] if self.key(now) == hit[2] else None
+        return hit[1] if self.key(now, store=True) == hit[2] else None
 
-    def put(self, st: os.stat_result, sha: str, copy: str | None = None) -> None:
-        """Record a file's sha256 (and the path of its copy, whose own sha is recorded too)."""
+    def put(self, st: os.stat_result, sha: str, copy: str | None = None, *, store: bool = False) -> None:
+        """Record a file's sha256 (and the path of its copy in the store, recorded too)."""
         ck = None
         if copy is not None:
-            cst = os.lstat(copy)
-            ck = self.key(cst)
+            ck = self.key(os.lstat(copy), store=True)
             self._d[ck] = (sha, copy, ck)
             self._d.move_to_end(ck)
-        k = self.key(st)
+        k = self.key(st, store=store)
         self._d[k] = (sha, copy, ck)
         self._d.move_to_end(k)
         while len(self._d) > _MEMO_ENTRIES:
@@ -204,13 +213,16 @@ def _hash_file(path: str, dst_fd: int | None = None) -> str:
     return h.hexdigest()
 
 
-def hash_tree(root: Path | str, *, base: int, memo: FileMemo | None = None) -> TreeHash:
+def hash_tree(root: Path | str, *, base: int, memo: FileMemo | None = None,
+              store: bool = False) -> TreeHash:
     """The content hash of the tree at host path ``root`` (see the module docstring).
 
     Args:
         root: The tree's root directory.
         base: The host id that owners are counted from (the tree's id range).
         memo: Reuses the sha256 of files seen unchanged, and records the ones read.
+        store: ``root`` is a layer of the store (its files are known as copies, see
+            :class:`FileMemo`).
 
     Raises:
         OSError: The tree cannot be read.
@@ -224,13 +236,13 @@ def hash_tree(root: Path | str, *, base: int, memo: FileMemo | None = None) -> T
         payload = ""
         if kind == "f":
             size += st.st_size
-            hit = memo.sha(st) if memo is not None else None
+            hit = memo.sha(st, store=store) if memo is not None else None
             if hit is not None:
                 payload = hit
             else:
                 payload = _hash_file(path)
                 if memo is not None:
-                    memo.put(st, payload)
+                    memo.put(st, payload, store=store)
         elif kind == "l":
             payload = os.readlink(path)
         h.update(_record(rel, kind, st, base, _xattrs(path) if kind != "w" else {}, payload))
@@ -319,7 +331,7 @@ def _copy_file(path: str, out: str, st: os.stat_result, memo: FileMemo | None,
     ident = (st.st_dev, st.st_ino)
     if st.st_nlink > 1 and ident in links:  # a hard link within the tree stays one
         os.link(links[ident], out)
-        sha = memo.sha(os.lstat(out)) if memo is not None else None
+        sha = memo.sha(os.lstat(out), store=True) if memo is not None else None
         return sha or _hash_file(out), False
     earlier = memo.copy(st) if memo is not None else None
     sha = memo.sha(st) if memo is not None else None

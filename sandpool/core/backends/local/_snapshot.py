@@ -118,7 +118,8 @@ class Store:
         snap = snap.unpacked(self.root / "loaded")
         for part, want in _parts(snap):
             try:
-                got = _layers.hash_tree(snap.location / part, base=ID_BASE, memo=self.memo).digest
+                got = _layers.hash_tree(snap.location / part, base=ID_BASE, memo=self.memo,
+                                        store=True).digest
             except OSError as exc:
                 raise errors.ConfigError(f"snapshot {snap.id}: its layer {part} cannot be read "
                                          f"({exc}); it was removed with its backend") from None
@@ -340,7 +341,8 @@ def state_hash(sb: LocalSandbox, store: Store) -> str:
     if _has_entries(upper):
         hashes.append(_layers.hash_tree(upper, base=base, memo=store.memo).digest)
     if sb.stack is not None:
-        hashes += [_layers.hash_tree(p, base=ID_BASE, memo=store.memo).digest for p in sb.stack.layers]
+        hashes += [_layers.hash_tree(p, base=ID_BASE, memo=store.memo, store=True).digest
+                   for p in sb.stack.layers]
     tmp = _layers.hash_tree(sb.tmp_host(), base=base, memo=store.memo).digest
     return _content_hash(image_id(sb), _layers.root_record(upper, base), hashes, tmp)
 
