@@ -93,13 +93,14 @@ class Checkpoints:
 
     async def take(self, lease: Lease) -> None:
         """Checkpoint the lease's sandbox now (with ``mode="step"``); the previous checkpoint's
-        data goes. A failure to take it leaves no checkpoint of the state now: a later infra
-        failure then ends the rollout rather than resume from an older state."""
+        data goes. A failure to take it (the sandbox failed, or the backend refused it) leaves
+        no checkpoint of the state now: a later infra failure then ends the rollout rather than
+        resume from an older state."""
         if self.mode is None:
             return
         try:
             snap = await lease.snapshot()
-        except errors.InfraError:
+        except (errors.InfraError, errors.ConfigError):  # (ConfigError: e.g. a change set too big)
             self._current = False
             return
         old, owned = self.last, self._owned

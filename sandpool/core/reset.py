@@ -53,8 +53,8 @@ from dataclasses import dataclass
 from sandpool.core.base import Sandbox
 from sandpool.core.errors import InfraError, InfraTimeout, InputError, ResetError
 
-__all__ = ["SAFE_GIT", "ResetOutcome", "checkout", "record_pristine", "reset_in_place",
-           "restore_git_metadata"]
+__all__ = ["SAFE_GIT", "Pristine", "ResetOutcome", "checkout", "pristine_record", "record_pristine",
+           "reset_in_place", "restore_git_metadata"]
 
 #: A shell prefix that runs git without any configuration, hook, attribute file or fsmonitor
 #: a policy could have planted outside ``.git`` (``$HOME`` is ``/tmp`` in a sandbox, so
@@ -238,13 +238,23 @@ async def _restore(sandbox: Sandbox, under: str, timeout: float) -> list[str]:
 # -- the generic path: a pristine record kept in this process ---------------------------------
 
 @dataclass(frozen=True)
-class _Pristine:
+class Pristine:
+    """What :func:`record_pristine` keeps of a fresh repo on the generic path (in this
+    process, out of the policy's reach). :mod:`sandpool.core.changeset` takes a snapshot's
+    change set against it."""
+
     paths: tuple[str, ...]  # "<type> <mode> <path> -> <target>" per path of the fresh repo
     hashes: tuple[str, ...]  # "<sha256>  <path>" per regular file
     git_meta: bytes  # tar of .git without its object files
+    stats: tuple[str, ...] = ()  # "<ctime> <size> <path>" per path (find's %C@ %s %p)
 
 
-_records: weakref.WeakKeyDictionary[Sandbox, _Pristine] = weakref.WeakKeyDictionary()
+def pristine_record(sandbox: Sandbox) -> Pristine | None:
+    """The record :func:`record_pristine` took of ``sandbox`` on the generic path, or None."""
+    return _records.get(sandbox)
+
+
+_records: weakref.WeakKeyDictionary[Sandbox, Pristine] = weakref.WeakKeyDictionary()
 _OWN = " -o ".join(f"-path ./{p}" for p in _OWN_GIT_PATHS)
 _LIST = f"find {{root}} \\( {_OWN} \\) -prune -o -printf '%y %m %p -> %l\\n' | LC_ALL=C sort"
 _HASH = (f"find {{root}} \\( {_OWN} \\) -prune -o -type f -print0 | LC_ALL=C sort -z"
@@ -307,16 +317,17 @@ async def record_pristine(sandbox: Sandbox, *, refresh_index: bool = False,
 
 async def _record(sandbox: Sandbox, timeout: float) -> None:
     res = await sandbox.exec(
-        f"{_manifest('.')}; echo {_SEP}; find .git/objects -type f ! -path '.git/objects/info/*'"
+        f"{_manifest('.')}; echo {_SEP}; find . \\( {_OWN} \\) -prune -o -printf '%C@ %s %p\\n';"
+        f" echo {_SEP}; find .git/objects -type f ! -path '.git/objects/info/*'"
         " > /tmp/.sandpool-objects && tar -cf - --exclude-from=/tmp/.sandpool-objects"
         f" {' '.join(f'--exclude={p}' for p in _OWN_GIT_PATHS)} .git | base64 -w0;"
         " rc=$?; rm -f /tmp/.sandpool-objects; exit $rc",
         timeout=timeout, max_output=1 << 30)
     parts = res.text.split(_SEP + "\n")
-    if not res.ok or len(parts) != 3:
+    if not res.ok or len(parts) != 4:
         raise ResetError(f"sandbox {sandbox.id}: cannot record its fresh repo: {res.err_text.strip()[:300]}")
     paths, hashes = _split(parts[0] + _SEP + "\n" + parts[1])
-    _records[sandbox] = _Pristine(paths, hashes, base64.b64decode(parts[2]))
+    _records[sandbox] = Pristine(paths, hashes, base64.b64decode(parts[3]), tuple(parts[2].splitlines()))
 
 
 async def _generic_restore(sandbox: Sandbox, under: str, timeout: float) -> list[str]:

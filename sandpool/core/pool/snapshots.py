@@ -22,6 +22,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from sandpool.core import errors
+from sandpool.core.base import SandboxState
 from sandpool.core.snapshot import Snapshot
 from sandpool.core.telemetry import Telemetry
 
@@ -103,7 +104,9 @@ async def suspend(lease: Lease) -> None:
     snap = await lease.snapshot()
     lease.parked = snap
     lease.suspended = True
-    pool._worker.drop(lease.entry)  # deleted: its pod (or process tree) is released
+    entry = lease.entry  # deleted before this returns: its pod (or process tree) is released
+    pool._entries.move(entry, SandboxState.DELETED)
+    await pool._worker.delete(entry)
 
 
 async def resume(lease: Lease) -> None:

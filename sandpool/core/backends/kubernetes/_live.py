@@ -119,6 +119,7 @@ class LiveSandboxes:
         sb = KubernetesSandbox(self._http, target.sandbox_id, image, target,
                                pod["metadata"]["uid"], claim, agent_python=self.python)
         sb.head = pi.head
+        sb.image_id = image_identity(pod, self.container, pi.image, pi.head)
         sb.owner = owner
         self._by_id[sb.id] = sb
         self._by_pod[pod_name] = sb
@@ -204,3 +205,12 @@ class LiveSandboxes:
             self._fallback(sb, "agent_unavailable")
             return
         sb.attach(session)
+
+
+def image_identity(pod: Mapping[str, Any], container: str, image: str, head: str | None) -> str:
+    """The build of the image a pod runs: its container's ``imageID`` (the digest the node
+    pulled), else the image reference and the commit its workdir is at."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == container and cs.get("imageID"):
+            return str(cs["imageID"])
+    return f"{image}@{head or ''}"

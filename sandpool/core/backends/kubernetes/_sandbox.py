@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sandpool.core import errors
+from sandpool.core import changeset, errors
 from sandpool.core.agent.client import AgentOps, AgentStarved
 from sandpool.core.agent.sandbox import AgentSandbox
 from sandpool.core.backends.kubernetes._exec import ExecTarget, ShellExec
@@ -22,6 +23,7 @@ from sandpool.core.backends.kubernetes._portforward import PortStream, open_port
 from sandpool.core.backends.kubernetes._service import IN_SERVICE_DIR, TREE, service_dir_argv
 from sandpool.core.backends.kubernetes._session import AgentSession
 from sandpool.core.service import ServiceSpec, ServiceStream
+from sandpool.core.snapshot import Snapshot
 
 if TYPE_CHECKING:
     from sandpool.core.backends.kubernetes._http import KubeHttp
@@ -78,6 +80,10 @@ class KubernetesSandbox(AgentSandbox):
         self._dead_event = asyncio.Event()
         self._session: AgentSession | None = None
         self._shell = ShellExec(http, target)
+        #: The build of the image its pod runs (``_live.image_identity``).
+        self.image_id = ""
+        #: The backend's snapshot store on this host (set by the backend), or None.
+        self.snapshots: Path | None = None
 
     def __repr__(self) -> str:
         state = f"dead: {self._dead}" if self._dead else "alive"
@@ -145,6 +151,40 @@ class KubernetesSandbox(AgentSandbox):
     async def _close_session(self) -> None:
         if self._session is not None:
             await self._session.aclose()
+
+    # -- snapshots: change sets against the pristine record (sandpool.core.changeset) -------
+
+    def _snapshot_python(self) -> tuple[str, Path]:
+        if self._session is None:
+            raise errors.ConfigError(
+                f"sandbox {self.id}: snapshots of a pod need sandpool's agent in it (agent=True and "
+                "an image with agent_python)")
+        if self.snapshots is None:
+            raise errors.ConfigError(f"sandbox {self.id} was not made by a KubernetesBackend: no "
+                                     "snapshot store")
+        return self.agent_python, self.snapshots
+
+    async def snapshot(self) -> Snapshot:
+        """Take the pod's change set against its pristine record (the repo and ``/tmp``; see
+        :mod:`sandpool.core.changeset`); the archive is kept on this host.
+
+        Raises:
+            ConfigError: The pod runs without the agent, or has no pristine record.
+            SandboxDied, ExecTransportError, InfraError: The pod or the script failed.
+        """
+        python, store = self._snapshot_python()
+        return await changeset.capture(self, python, store, "kubernetes", self.image_id)
+
+    async def load_snapshot(self, snap: Snapshot) -> None:
+        """Write ``snap``'s change set into this pristine pod; see :meth:`Sandbox.load_snapshot`."""
+        python, store = self._snapshot_python()
+        snap.check_target(self.image, self.image_id, "kubernetes")
+        await changeset.load(self, python, snap, store)
+
+    async def state_hash(self) -> str:
+        """The hash of the pod's change set now (what its snapshot's ``content_hash`` is)."""
+        python, _ = self._snapshot_python()
+        return await changeset.state_hash(self, python)
 
     # -- the service: in the pod's service directory, reached over pods/portforward ---------
 

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sandpool.core import errors
+from sandpool.core import changeset, errors
 from sandpool.core.backends.kubernetes import _manifests as m
 from sandpool.core.backends.kubernetes._claims import Claims
 from sandpool.core.backends.kubernetes._entrypoint import entrypoint
@@ -42,7 +42,9 @@ from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._watch import Informer
 from sandpool.core.base import Backend, Sandbox
 from sandpool.core.rate import AdaptiveRate
+from sandpool.core.paths import sandpool_home
 from sandpool.core.service import ServiceSpec
+from sandpool.core.snapshot import Snapshot
 from sandpool.core.telemetry import Telemetry
 
 __all__ = ["ImageMap", "KubernetesBackend", "KubernetesSandbox", "gc"]
@@ -216,6 +218,8 @@ class KubernetesBackend(Backend):
             controller_version=controller_version)
         self._deleter = Deleter(http, ns, run, delete_batch_s)
         self._sandbox_objects = sandbox_objects
+        #: Snapshot change sets of this run's pods, on this host (removed with the run).
+        self.snapshots = sandpool_home() / "kube-snapshots" / run
         self._start_lock = asyncio.Lock()
         self._watching = False
         self._seq = itertools.count(1)
@@ -399,7 +403,9 @@ class KubernetesBackend(Backend):
             if claims is not None and claim is not None:
                 pod_name = await claims.wait_bound(claim)
             pod = await self._pods.wait_ready(pod_name)
-            return await self._live.start(image, pod, owner[1], claim, owner)
+            sb = await self._live.start(image, pod, owner[1], claim, owner)
+            sb.snapshots = self.snapshots
+            return sb
         except BaseException:
             await self._deleter.delete(*owner)
             raise
@@ -414,6 +420,10 @@ class KubernetesBackend(Backend):
         assert isinstance(sandbox, KubernetesSandbox)
         await self._live.remove(sandbox)
         await self._deleter.delete(*sandbox.owner)
+
+    async def discard_snapshot(self, snap: Snapshot, *, keep: Snapshot | None = None) -> None:
+        """Remove ``snap``'s change set from this run's store (unless ``keep`` holds it)."""
+        changeset.discard(self.snapshots, snap, keep)
 
     async def aclose(self) -> None:
         """Delete everything this run made (by its run-id label) and close the client.
@@ -430,6 +440,7 @@ class KubernetesBackend(Backend):
                 await self._deleter.delete_run()
         finally:
             self._closed = True
+            changeset.remove_store(self.snapshots)
             for watch in self._watches:
                 await watch.aclose()
             await self._http.aclose()

@@ -1,0 +1,137 @@
+"""Snapshots, forks, suspend and resume of pods on the local cluster (kwok): the change set
+against the pristine record, taken by the in-pod agent and restored into another pod."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sandpool.core import PoolLimits, SandboxPool, errors
+from sandpool.core.snapshot import Snapshot
+
+from tests.waiting import wait_until
+
+from test_kubernetes_backend import backend, make_task, pods_of, repo  # noqa: F401 - fixture
+
+pytestmark = pytest.mark.cluster
+
+IMAGE = "sandpool.test/calc:1"
+STATE = ("echo 'x = 1' >> calc.py && rm .gitignore && mkdir -p pkg/sub && echo deep > pkg/sub/f"
+         " && echo kept > notes.txt && chmod 600 notes.txt && echo scratch > /tmp/work.txt"
+         " && git add -A && git -c user.name=p -c user.email=p@p commit -qm policy-step")
+SHOW = ("cat calc.py pkg/sub/f notes.txt /tmp/work.txt; stat -c %a notes.txt; ls .gitignore;"
+        " git log --format=%s -1")
+
+
+def _pool(cluster, namespace, path: Path, **kw) -> SandboxPool:
+    return SandboxPool(backend(cluster, namespace, path, **kw), "reuse", PoolLimits(max_live=4))
+
+
+async def test_a_pod_snapshot_restores_into_another_pod(cluster, namespace, repo):
+    path, _, second = repo
+    task = make_task(IMAGE, second)
+    async with _pool(cluster, namespace, path) as pool:
+        async with pool.claim(task) as parent:
+            assert (await parent.exec(STATE, timeout=60)).ok
+            want = (await parent.exec(SHOW, timeout=60)).text
+            snap = await parent.snapshot()
+            assert (snap.backend, snap.image) == ("kubernetes", IMAGE) and snap.size_bytes > 0
+            assert (snap.location / snap.parts[0]).is_file()  # on this host, in the run's store
+            assert await parent.sandbox.state_hash() == snap.content_hash
+            async with pool.claim(task, from_snapshot=snap) as child:
+                assert child.sandbox.pod != parent.sandbox.pod
+                assert (await child.exec(SHOW, timeout=60)).text == want
+                assert await child.sandbox.state_hash() == snap.content_hash
+                assert (await child.exec("echo more >> notes.txt", timeout=60)).ok
+                assert await child.sandbox.state_hash() != snap.content_hash
+            # A saved snapshot restores the same: the archive and its metadata travel together.
+            loaded = Snapshot.load(snap.save(path.parent / "pod.snap"))
+            async with pool.claim(task, from_snapshot=loaded) as again:
+                assert (await again.exec(SHOW, timeout=60)).text == want
+        assert pool.counters.quarantines == 0 and pool.counters.resets >= 3
+        store = pool.backend.snapshots
+    assert not store.exists()  # the run's store went with the backend
+
+
+async def test_fork_siblings_of_pods_see_none_of_each_others_files(cluster, namespace, repo):
+    path, _, second = repo
+    task = make_task(IMAGE, second)
+    async with _pool(cluster, namespace, path) as pool:
+        async with pool.claim(task) as parent:
+            assert (await parent.exec("echo shared > shared.txt", timeout=60)).ok
+            a, b = await parent.fork(2)
+            try:
+                assert len({a.sandbox.pod, b.sandbox.pod, parent.sandbox.pod}) == 3
+                assert (await a.exec("echo TOKEN-A > secret.txt; echo TOKEN-A > /tmp/secret;"
+                                     " echo TOKEN-A >> shared.txt", timeout=60)).ok
+                assert (await parent.exec("echo TOKEN-P > later.txt", timeout=60)).ok
+                res = await b.exec("grep -rsl -e TOKEN-A -e TOKEN-P . /tmp; cat shared.txt", timeout=60)
+                assert res.text == "shared\n", res
+                assert (await a.exec("cat shared.txt", timeout=60)).text == "shared\nTOKEN-A\n"
+            finally:
+                await a.release()
+                await b.release()
+
+
+async def test_a_pod_snapshot_under_a_writer_is_whole_lines(cluster, namespace, repo):
+    path, _, second = repo
+    task = make_task(IMAGE, second)
+    async with _pool(cluster, namespace, path) as pool:
+        async with pool.claim(task) as parent:
+            res = await parent.exec(
+                "nohup python3 -c \"import os, time\nfd=os.open('log.txt',os.O_WRONLY|os.O_CREAT|os.O_APPEND)\n"
+                "i=0\nwhile True:\n os.write(fd,b'%08d ' % i + b'x'*4000 + b'\\\\n')\n i+=1\n"
+                " time.sleep(0.001)\" >/dev/null 2>&1 & echo started", timeout=60)
+            assert res.ok
+            await _until_lines(parent, 50)
+            snap = await parent.snapshot()  # the writer is stopped while the pod is read
+            async with pool.claim(task, from_snapshot=snap) as child:
+                lines = (await child.read_file("log.txt")).split(b"\n")
+                assert lines[-1] == b"" and len(lines) > 50
+                assert [int(ln[:8]) for ln in lines[:-1]] == list(range(len(lines) - 1))
+            await _until_lines(parent, len(lines) + 50)  # and goes on after
+
+
+async def _until_lines(lease, n: int) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + 120
+    while int((await lease.exec("wc -l < log.txt 2>/dev/null || echo 0", timeout=60)).text or 0) < n:
+        assert time.monotonic() < deadline, f"the writer never reached {n} lines"
+        await asyncio.sleep(0.05)
+
+
+async def test_suspend_releases_the_pod_and_resume_restores_it_into_a_new_one(cluster, namespace, repo):
+    path, _, second = repo
+    task = make_task(IMAGE, second)
+    async with _pool(cluster, namespace, path) as pool:
+        async with pool.claim(task) as lease:
+            assert (await lease.exec(STATE, timeout=60)).ok
+            want = (await lease.exec(SHOW, timeout=60)).text
+            pod = lease.sandbox.pod
+            await lease.suspend()
+            assert lease.parked is not None  # the snapshot it resumes from
+            want_hash = lease.parked.content_hash
+            with pytest.raises(errors.ConfigError, match="is suspended"):
+                await lease.exec("true")
+            wait_until(lambda: pod not in [p.metadata.name for p in pods_of(
+                cluster, namespace, pool.backend.run_id) if p.metadata.deletion_timestamp is None],
+                "the suspended sandbox's pod deleted")  # released: its claim went
+            await lease.resume()
+            assert lease.sandbox.pod != pod
+            assert (await lease.exec(SHOW, timeout=60)).text == want
+            assert await lease.sandbox.state_hash() == want_hash
+        assert pool.counters.quarantines == 0
+
+
+async def test_a_pod_snapshot_of_one_image_is_refused_by_another(cluster, namespace, repo):
+    path, _, second = repo
+    async with _pool(cluster, namespace, path) as pool:
+        async with pool.claim(make_task(IMAGE, second)) as lease:
+            snap = await lease.snapshot()
+        with pytest.raises(errors.ConfigError, match=f"is of image '{IMAGE}' and cannot be restored "
+                                                     "onto image 'sandpool.test/other:1'"):
+            await pool.acquire(make_task("sandpool.test/other:1", second), from_snapshot=snap)
+        assert pool.counters.quarantines == 0
