@@ -8,7 +8,7 @@ policy could give the sandbox's agent a file limit of 3 or a CPU limit, turning 
 failure into an agent death that looks like infrastructure.
 
 Each attack is first shown to work in plain user namespaces under bubblewrap without
-sandpool's seccomp filter (``backends/local/_seccomp``), then shown to fail in real sandboxes
+sandpool's seccomp filter (``sandpool.core.agent.seccomp``), then shown to fail in real sandboxes
 of the default pack and of an OCI image, with the next rollout and a concurrent sibling
 finding nothing.
 """
@@ -26,7 +26,7 @@ import pytest
 
 from sandpool.core import Outcome, PoolLimits, SandboxPool, run_rollout
 from sandpool.core.backends.local import LocalBackend
-from sandpool.core.backends.local._seccomp import _ABIS
+from sandpool.core.agent.seccomp import _ABIS
 
 ADD_KEY, _, KEYCTL = _ABIS[platform.machine()][0].keyring
 SECRET = "GOLD-DIFF-3f9c"

@@ -27,6 +27,10 @@ Ops:
                 anything is copied; trees of any depth (iterative, names relative to an open
                 directory). The host computed the list from the overlay's upper layer and
                 verifies the result; this op only does the work (``errnos``: each failure's).
+    seccomp     {program(b64)} -> {}: set no_new_privs and install ``program`` (classic BPF,
+                :mod:`sandpool.core.agent.seccomp`'s) on the agent's main thread, so every
+                thread and process it starts afterwards runs under it (served on the main
+                thread; sent by the host before any command, where no one else installs it)
     service     {argv, env, cwd, log?} -> {pid}: start a long-lived service process (its own
                 session, in the work cgroup, output to ``log``, else to the agent's stderr)
                 that ``ps`` and ``kill_strays`` leave alone
@@ -601,6 +605,23 @@ def _restore(req):
     return {"failed": failed, "errnos": errnos}
 
 
+def _seccomp(req):
+    import ctypes
+
+    prog = base64.b64decode(req["program"])
+
+    class Fprog(ctypes.Structure):  # struct sock_fprog
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = Fprog(len(prog) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    libc = ctypes.CDLL(None, use_errno=True)
+    # PR_SET_NO_NEW_PRIVS (needed without CAP_SYS_ADMIN), then PR_SET_SECCOMP, MODE_FILTER.
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return {}
+
+
 def _service(req):
     env = dict(os.environ)
     env.update(req.get("env") or {})
@@ -695,7 +716,8 @@ def _scratch(req):
 
 
 _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps": _ps,
-        "kill_strays": _kill_strays, "restore": _restore, "service": _service, "scratch": _scratch}
+        "kill_strays": _kill_strays, "restore": _restore, "service": _service, "scratch": _scratch,
+        "seccomp": _seccomp}
 
 
 #: Ops that start neither a thread nor a process: served on the main thread when refused one.
@@ -823,7 +845,7 @@ def main():
     except (ImportError, AttributeError, OSError) as exc:  # fail closed: no unprotected channel
         sys.stderr.write(f"sandpool-agent: cannot protect its channel (prctl): {exc}\n")
         sys.exit(70)
-    _send({"id": 0, "ready": True, "pid": _SELF})
+    _send({"id": 0, "ready": True, "pid": _SELF, "machine": os.uname().machine})
     for line in sys.stdin:
         line = line.strip()
         if not line:
@@ -832,6 +854,9 @@ def main():
             req = json.loads(line)
         except json.JSONDecodeError:
             _send({"id": None, "error": "bad_request"})
+            continue
+        if isinstance(req, dict) and req.get("op") == "seccomp":
+            _serve(req)  # on the main thread, which starts every later thread
             continue
         try:
             _thread(_serve, req)

@@ -142,7 +142,8 @@ def pod_spec(
         "enableServiceLinks": False,
         # containerd's RuntimeDefault profile leaves add_key, request_key and keyctl out of its
         # allow list: kernel keyrings are not namespaced, and a key one pod stored would reach
-        # the next rollout and concurrent pods (local sandboxes: backends/local/_seccomp).
+        # the next rollout and concurrent pods. The agent adds sandpool's own filter on top
+        # (agent.seccomp: no limits set on other processes), which every command inherits.
         "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
     }
     if runtime_class:

@@ -28,17 +28,24 @@ ordinary process there. ``KubernetesBackend(agent_entrypoint=True)`` gives the s
 guarantee there: the agent is the container's pid 1 (its command, :mod:`._entrypoint`), and
 this session reaches it over ``pods/attach`` instead of ``pods/exec`` (``attach=True``).
 Ptrace of the agent and reading its ``/proc/<pid>/fd`` need ``CAP_SYS_PTRACE``, which a
-container lacks by default (the agent is non-dumpable). On kwok, commands run as root on the
+container lacks by default (the agent is non-dumpable). Setting its resource limits
+(``prlimit``, which the pod's ``RuntimeDefault`` profile allows to any process of the same
+uid: a CPU limit kills even a pid 1, a file limit of 3 fails every request) is denied by the
+seccomp filter the agent installs on itself before the first command, with
+``no_new_privs``, which every command inherits (:mod:`sandpool.core.agent.seccomp`, the local
+sandboxes' filter; kernel keyrings are out of reach under it too). On kwok, commands run as root on the
 node host: the signal path is closed, ptrace is not.
 """
 
 from __future__ import annotations
 
+import base64
 import itertools
 import logging
 from typing import TYPE_CHECKING
 
 from sandpool.core import errors
+from sandpool.core.agent import seccomp
 from sandpool.core.agent.client import AgentClient, agent_source
 from sandpool.core.backends.kubernetes._channel import PROTOCOLS, PodExecChannel
 from sandpool.core.backends.kubernetes._entrypoint import boot_payload
@@ -119,7 +126,10 @@ class AgentSession:
             ExecTransportError, BackendUnavailable: The handshake failed, or the API server
                 could not reach the node (:func:`._channel.unreached`), after the HTTP layer's
                 retries; or the stream broke before the ready line without an exit status:
-                infra errors, never a reason to give up the agent for the image.
+                infra errors, never a reason to give up the agent for the image. Also
+                ``ExecTransportError`` when the agent could not install its seccomp filter,
+                and ``BackendUnavailable`` when the pod's architecture has none
+                (:mod:`sandpool.core.agent.seccomp`): no command runs without it.
         """
         query = [("container", self._target.container), ("stdin", "true"),
                  ("stdout", "true"), ("stderr", "true")]
@@ -155,6 +165,12 @@ class AgentSession:
             if hello.get("ready") is not True:  # the entrypoint found no usable interpreter
                 await client.aclose()
                 raise AgentUnavailable(str(hello.get("error") or hello))
+            try:  # before any command: every process the agent starts inherits the filter
+                prog = seccomp.program(hello.get("machine"))
+                await client.call("seccomp", timeout, program=base64.b64encode(prog).decode())
+            except BaseException:
+                await client.aclose()
+                raise
             self.channel, self.client = channel, client
             return
 

@@ -17,7 +17,7 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
   sandbox (copy-on-write, not a copy), the image's repo itself read-only at
   ``/opt/sandpool/image`` (the in-place reset's restore source), a private ``/tmp`` and
   ``/dev/shm``, a private mqueue at ``/dev/mqueue``, and nothing else writable;
-* a seccomp filter (``_seccomp``): no kernel keyring is reachable (keys are not namespaced,
+* a seccomp filter (:mod:`sandpool.core.agent.seccomp`): no kernel keyring is reachable (keys are not namespaced,
   so one would carry state to the next rollout and to concurrent sandboxes), and no process
   may set another's resource limits (the agent's included);
 * CPU, memory and pid limits from its own cgroup, joined before bubblewrap starts; its
@@ -46,8 +46,8 @@ The package: :mod:`.backend` (:class:`LocalBackend`: images, the start sequence,
 :mod:`.sandbox` (:class:`LocalSandbox`: the agent's channel, in-place restore),
 :mod:`._bwrap` (the bubblewrap argv and what a sandbox sees where), :mod:`.image` (image
 directories), ``_cleanup`` (unmounting a sandbox, reaping dead runs), and the host-side
-helpers ``_oci``, ``_idmap``, ``_idrange``, ``_overlay``, ``_quota``, ``_cgroup`` and
-``_seccomp``. The agent and its channel are :mod:`sandpool.core.agent`'s.
+helpers ``_oci``, ``_idmap``, ``_idrange``, ``_overlay``, ``_quota`` and ``_cgroup``. The agent,
+its channel and its seccomp filter are :mod:`sandpool.core.agent`'s.
 """
 
 from sandpool.core.backends.local._bwrap import SERVICE_DIR

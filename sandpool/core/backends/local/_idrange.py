@@ -9,7 +9,7 @@ the host uid of a process, across every namespace:
 * the per-user counts (``ucounts``) charged to a user namespace's owner at the host level:
   inotify instances and watches (``fs.inotify.max_user_instances``: 128), POSIX message queue
   bytes, pending signals, processes;
-* the kernel keyrings (which the seccomp filter, ``_seccomp``, also puts out of reach).
+* the kernel keyrings (which the seccomp filter, :mod:`sandpool.core.agent.seccomp`, also puts out of reach).
 
 When every sandbox's uid 1000 was host uid 101000, one sandbox could exhaust these for its
 concurrent siblings (hold the 128 inotify instances: a sibling's ``inotify_init`` fails) or

@@ -216,7 +216,7 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         bwrap,
         "--unshare-all", "--unshare-user",
         "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
-        "--seccomp", str(seccomp_fd),  # _seccomp: no keyrings, no limits set on others
+        "--seccomp", str(seccomp_fd),  # agent.seccomp: no keyrings, no limits set on others
         *(["--share-net"] if limits.network else []),
         "--die-with-parent", "--new-session",
         "--assert-userns-disabled",  # the host disabled them (_idmap.disable_nested_userns)

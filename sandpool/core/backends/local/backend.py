@@ -14,7 +14,8 @@ import uuid
 from pathlib import Path
 
 from sandpool.core import errors
-from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _seccomp, _snapshot
+from sandpool.core.agent import seccomp as _seccomp
+from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _snapshot
 from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, write_etc
 from sandpool.core.backends.local._cleanup import reap_stale, unmount_sandbox
 from sandpool.core.backends.local.image import LocalImage, image_dir, load_image

@@ -1,4 +1,10 @@
-"""The seccomp filter every local sandbox runs under (bubblewrap ``--seccomp``).
+"""The seccomp filter every sandbox's commands run under, on every backend.
+
+A local sandbox gets it from bubblewrap (``--seccomp``: every process of the sandbox, its
+agent included). In a Kubernetes pod the agent installs it on itself (its ``seccomp`` op,
+sent by the host before any command), after ``PR_SET_NO_NEW_PRIVS``, so that every process it
+starts inherits it; the pod's own profile (``RuntimeDefault``) stays in force under it, as
+seccomp filters stack. No node-side file is needed, so it holds on any cluster.
 
 It denies two things, and nothing else (every other system call is allowed):
 
@@ -8,18 +14,18 @@ It denies two things, and nothing else (every other system call is allowed):
   from a concurrent sandbox and outlives an in-place reset, which no file comparison sees.
   With the calls gone the sandbox has no keyring it can reach, so there is nothing for a reset
   to revoke and nothing for a sibling to read. containerd's ``RuntimeDefault`` profile denies
-  the same three (they are absent from its allow list), which is what the Kubernetes
-  backend's pods run under.
+  the same three (they are absent from its allow list).
 * **Changing another process's resource limits** (``prlimit64`` with a new limit for a pid
   other than 0, the caller: ``EPERM``). The sandbox's agent runs as the same uid as the
   policy's commands, and the kernel lets a process set the limits of any process of its uid:
   an ``RLIMIT_CPU`` on the agent kills it with SIGKILL, an ``RLIMIT_NOFILE`` of 3 makes it fail
   every request. Either would turn the policy's failure into an agent death that looks like
   infrastructure. ``setrlimit``, ``ulimit`` and ``prlimit`` on the caller itself, and every
-  read of limits, are unaffected.
+  read of limits, are unaffected. containerd's ``RuntimeDefault`` allows ``prlimit64``.
 
-Why hand-assembled classic BPF rather than libseccomp: the program is a dozen instructions,
-bubblewrap takes it as bytes on a file descriptor, and the host then needs no Python binding
+Why hand-assembled classic BPF rather than libseccomp: the program is a few dozen
+instructions, bubblewrap takes it as bytes on a file descriptor and the agent as a
+``sock_fprog`` for ``prctl``, and neither the host nor an image needs a binding
 of libseccomp (none is packaged for Debian's Python or installs from source reliably). The
 program checks the architecture first: a call made through the 32-bit compat ABI (``int
 0x80`` on x86-64) is matched against that ABI's numbers, x32 calls are refused, and an
@@ -115,7 +121,8 @@ def program(machine: str | None = None) -> bytes:
     """The filter as a classic BPF program (``struct sock_filter`` array, host byte order).
 
     Args:
-        machine: ``platform.machine()`` of the host (default: this one's).
+        machine: ``platform.machine()`` of the machine the sandbox runs on (default: this
+            one's).
 
     Raises:
         BackendUnavailable: The architecture has no table here (x86-64 and aarch64 do).
@@ -123,8 +130,8 @@ def program(machine: str | None = None) -> bytes:
     machine = machine or platform.machine()
     if machine not in _ABIS:
         raise errors.BackendUnavailable(
-            f"no seccomp filter for architecture {machine!r}; local sandboxes run on x86_64 and "
-            "aarch64 hosts")
+            f"no seccomp filter for architecture {machine!r}; sandboxes run on x86_64 and "
+            "aarch64 machines")
     native, compat = _ABIS[machine]
     asm = _Asm()
     asm.load(_ARCH)
