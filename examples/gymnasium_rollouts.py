@@ -1,7 +1,8 @@
 """A batched rollout loop over 8 sandpool SWE envs with a scripted policy.
 
 ``gym.make_vec`` gives the native vector env: 8 sub-envs on one sandbox pool, stepping
-concurrently. The scripted policy looks around, applies the task's gold patch on even
+concurrently. The env warms the first batch's sandboxes before its claims (as ``sandpool
+run`` does), and draws each sub-env's next task one episode ahead and warms it meanwhile. The scripted policy looks around, applies the task's gold patch on even
 sub-envs (an oracle) and leaves odd ones untouched (a noop), then submits; the reward comes
 from the task's tests. Each finished episode prints its reward and TTFC.
 

@@ -325,3 +325,26 @@ async def test_reuse_starts_a_quarantined_sandboxs_replacement_before_the_next_c
             await pool.release(lease)
         finally:
             backend.delete_gate.set()
+
+
+async def test_prefetch_warms_the_next_batch_within_max_live_and_lets_the_last_one_go():
+    backend = MemoryBackend()
+    async with SandboxPool(backend, "reuse", PoolLimits(max_live=4)) as pool:
+        a = [task(0, "img-a"), task(1, "img-a")]
+        await pool.prefetch(a, rollouts_per_task=1, concurrency=2)
+        await until(lambda: pool.sizes().get("img-a", {}).get("idle") == 2, "a warm")
+        leases = [await pool.acquire(t) for t in a]
+        assert pool.counters.warm_hits == 2  # the prefetched batch is claimed warm
+        b = [task(2, "img-b")]
+        await pool.prefetch(b, rollouts_per_task=2)  # while batch a runs
+        await until(lambda: pool.sizes().get("img-b", {}).get("idle") == 2, "b warm")
+        for lease in leases:
+            await pool.release(lease)
+        c = [task(3, "img-c")]
+        await pool.prefetch(c, rollouts_per_task=2)  # room comes from a's idle sandboxes
+        await until(lambda: pool.sizes().get("img-c", {}).get("idle") == 2, "c warm")
+        assert pool.sizes()["img-b"]["idle"] == 2  # the batch not yet run keeps its warm pool
+        assert len(backend.live) <= 4 and pool.counters.evicted == 2
+        async with pool.claim(b[0]) as lease:
+            await lease.exec("true")
+        assert pool.counters.warm_hits == 3

@@ -262,6 +262,12 @@ class Report(BaseModel):
 
     @computed_field  # type: ignore[prop-decorator]
     @property
+    def reuse(self) -> float | None:
+        """Claims served per sandbox created (rollouts per sandbox; None before any)."""
+        return self.pool.claims / self.sandboxes_created if self.sandboxes_created else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
     def unaccounted(self) -> int:
         """Requested rollouts (``workload.rollouts``) minus those accounted for in ``failures``:
         0 when nothing was lost or doubled, negative when something was counted twice."""
@@ -282,7 +288,8 @@ class Report(BaseModel):
             f"  TTFC         n={t.n} mean {ms(t.mean_s)}  p50 {ms(t.p50_s)}  p95 {ms(t.p95_s)}  "
             f"p99 {ms(t.p99_s)}  max {ms(t.max_s)}",
             f"  sandboxes    created {self.sandboxes_created}, warm hits {self.pool.warm_hits}/"
-            f"{self.pool.claims} claims, evicted {self.pool.evicted}, lost {self.pool.lost}",
+            f"{self.pool.claims} claims, evicted {self.pool.evicted}, lost {self.pool.lost}"
+            + (f", {self.reuse:.2f} rollouts per sandbox" if self.reuse is not None else ""),
             f"  k8s writes   {self.api_writes}, exec streams {self.api_execs}",
             *(f"  write rate   {r.describe()}" for r in self.write_rates),
             *(f"  cluster      {c.describe()}" for c in self.clusters),

@@ -267,7 +267,8 @@ class Entries:
            rollout would then start cold and evict another (the cascade); with no delete in
            flight it evicts an idle sandbox of an image nobody waits for.
         3. Warm pools below their target (the strategy's deficit) get creations, up to
-           ``max_live``, unless the image is backing off after a failed fill.
+           ``max_live`` (evicting, at the cap, only idle sandboxes beyond their image's
+           target), unless the image is backing off after a failed fill.
 
         Args:
             now: Monotonic time, for the fill back-off.
@@ -310,7 +311,13 @@ class Entries:
                                          resetting=img.count(S.RESETTING))
             for _ in range(want):
                 if live >= self.max_live:
-                    break
+                    # Room from an idle sandbox no plan wants (its image is past its target,
+                    # e.g. the batch before a prefetch), never from one that is planned for.
+                    evicted = self._evict_one(exclude=name, planned_too=False)
+                    if evicted is None:
+                        break
+                    work.evict.append(evicted)
+                    live -= 1
                 work.create.append((self._new(name), True))
                 live += 1
         return work
@@ -320,10 +327,10 @@ class Entries:
         self.move(entry, S.CREATING)
         return entry
 
-    def _evict_one(self, exclude: str) -> Entry | None:
+    def _evict_one(self, exclude: str, planned_too: bool = True) -> Entry | None:
         # An idle sandbox of an image nobody waits for makes room for one that is needed:
         # first one beyond its image's target (not planned for), then any.
-        for beyond in (True, False):
+        for beyond in (True, False) if planned_too else (True,):
             for name, img in self.images.items():
                 if name == exclude or not img.count(S.IDLE) or img.waiters:
                     continue

@@ -81,6 +81,8 @@ class SandboxPool:
         self.counters = PoolCounters()
         self._entries = Entries(self.strategy, limits.max_live or 8)
         self._hydrated: set[str] = set()
+        self._prefetched: dict[str, int] = {}  # image -> its target before the last prefetch
+        self._concurrency = 0  # rollouts at once, as prepare was told
         self._leases: set[Lease] = set()
         self._ttfc: list[float] = []
         self.telemetry = Telemetry(resolve_metrics(metrics), backend=backend.name,
@@ -189,6 +191,7 @@ class SandboxPool:
         for image in demand:
             await self.hydrate(image)
         slots = self.strategy.plan(demand, concurrency)
+        self._concurrency = concurrency
         if self.limits.max_live is None:
             self._entries.max_live = self.strategy.max_live(max(concurrency, len(slots)))
         for image, n in slots.items():
@@ -200,6 +203,48 @@ class SandboxPool:
         if wait:
             await self.wait_warm()
         return slots
+
+    async def prefetch(self, tasks: Iterable[Task], *, rollouts_per_task: int = 1,
+                       concurrency: int | None = None) -> dict[str, int]:
+        """Hydrate and warm the next batch's images while the current batch runs.
+
+        Each image of ``tasks`` gets a warm target of the sandboxes the next batch runs on it
+        at once (``rollouts_per_task`` per task: a GRPO group's size); the targets the last
+        prefetch raised for images not in this batch go back to what they were, so their idle
+        sandboxes become the first evicted to make room. Creations stay within ``max_live``
+        (when :class:`PoolLimits` leaves it unset, the cap grows to the strategy's for
+        ``concurrency`` rollouts plus the next batch). Returns without waiting for them.
+
+        Args:
+            tasks: The next batch's tasks.
+            rollouts_per_task: Rollouts each of them will get at once.
+            concurrency: Rollouts running now (default: what :meth:`prepare` was told).
+
+        Returns:
+            The warm target per image of the next batch.
+
+        Raises:
+            ImageNotFound: An image is missing (nothing was started).
+            PoolClosed: The pool is not open.
+        """
+        self._check_open()
+        demand: dict[str, int] = {}
+        for t in tasks:
+            demand[t.image] = demand.get(t.image, 0) + rollouts_per_task
+        for image in demand:
+            await self.hydrate(image)
+        for image in [i for i in self._prefetched if i not in demand]:
+            self._entries.image(image).target = self._prefetched.pop(image)
+        for image, n in demand.items():
+            img = self._entries.image(image)
+            self._prefetched.setdefault(image, img.target)
+            img.target = max(self._prefetched[image], n)
+        if self.limits.max_live is None:
+            now = concurrency if concurrency is not None else self._concurrency
+            self._entries.max_live = max(self._entries.max_live,
+                                         self.strategy.max_live(now + sum(demand.values())))
+        self._worker.assign()
+        return demand
 
     async def wait_warm(self, timeout: float | None = None) -> None:
         """Wait until no creation is in flight and warm targets are met (or cannot be)."""

@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import importlib
 import inspect
+import logging
 import threading
 import time
 import weakref
@@ -29,6 +30,8 @@ from sandpool.core.metrics import Report, RolloutResult, Workload
 from sandpool.core.pool import PoolLimits, PoolState, SandboxPool
 from sandpool.core.strategies import Strategy
 from sandpool.core.task import Task
+
+log = logging.getLogger("sandpool.gymnasium")
 
 __all__ = ["BACKENDS", "BackgroundPool", "check_backend", "make_backend"]
 
@@ -257,6 +260,18 @@ class BackgroundPool:
             self._tasks.setdefault(t.instance_id, t)
         self.concurrency = max(self.concurrency, concurrency)
 
+    def prefetch(self, tasks: Sequence[Task], *, rollouts_per_task: int = 1,
+                 concurrency: int | None = None) -> None:
+        """Start hydrating and warming the next batch's images (see
+        :meth:`SandboxPool.prefetch`) without waiting; a failure is logged, and the claims
+        of that batch then start their sandboxes themselves."""
+        if self.closed:
+            return
+        fut = asyncio.run_coroutine_threadsafe(
+            self.pool.prefetch(tasks, rollouts_per_task=rollouts_per_task,
+                               concurrency=concurrency), self._loop)
+        fut.add_done_callback(_log_prefetch)
+
     def prepare(self, tasks: Sequence[Task], concurrency: int) -> dict[str, int]:
         """Hydrate the tasks' images and fill warm pools for ``concurrency`` episodes at once.
 
@@ -295,3 +310,8 @@ class BackgroundPool:
     def close(self) -> None:
         """Delete every sandbox, close the backend and stop the loop thread. Idempotent."""
         self._finalizer()
+
+
+def _log_prefetch(fut: concurrent.futures.Future[Any]) -> None:
+    if not fut.cancelled() and (exc := fut.exception()) is not None:
+        log.warning("prefetching the next batch failed (its claims will start sandboxes): %s", exc)

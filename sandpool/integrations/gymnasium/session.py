@@ -291,8 +291,10 @@ class Session:
         lease = await self.rollout.claim()
         self.done = False
         obs, _ = self._obs()
+        counters = self.runner.pool.counters
         info = {"task_id": task.instance_id, "sandbox_id": lease.id,
-                "ttfc_s": float(lease.ttfc_s or 0.0), "claims": self.rollout.attempts}
+                "ttfc_s": float(lease.ttfc_s or 0.0), "claims": self.rollout.attempts,
+                "reuse": counters.claims / max(1, counters.created)}
         return obs, info
 
     def _rollout(self, task: Task) -> Rollout:

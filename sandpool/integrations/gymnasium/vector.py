@@ -77,10 +77,16 @@ class SWEVectorEnv(VectorEnv):
 
     Args:
         num_envs: Number of sub-envs (episodes running at once).
+        group_size: Sub-envs per group (GRPO's G; NeMo Gym's ``num_repeats``): the ``k``-th
+            reset of each of ``group_size`` consecutive sub-envs runs the same task, drawn
+            once for the group. It must divide ``num_envs``; 1 draws per sub-env.
+        lookahead: Draw each group's next task one round ahead and have the pool warm its
+            image while the current round runs (:meth:`SandboxPool.prefetch`).
         autoreset_mode: ``AutoresetMode.NEXT_STEP`` (default) or ``AutoresetMode.DISABLED``.
 
     ``reset(options=...)`` also takes ``"task_ids"``: a sequence of ``num_envs`` ids (or
-    ``None`` entries to draw at random) naming each sub-env's task.
+    ``None`` entries to draw) naming each sub-env's task. ``info["reuse"]`` at a reset is the
+    pool's rollouts per sandbox created so far.
 
     Raises:
         ConfigError: A bad argument, or an unsupported autoreset mode (``SAME_STEP``).
@@ -93,6 +99,8 @@ class SWEVectorEnv(VectorEnv):
         num_envs: int = 1,
         tasks: Sequence[Task | Mapping[str, Any]] | str | Path | None = None,
         *,
+        group_size: int = 1,
+        lookahead: bool = True,
         backend: Backend | str = "local",
         strategy: str | Strategy = "reuse",
         max_steps: int = 30,
@@ -113,6 +121,9 @@ class SWEVectorEnv(VectorEnv):
     ) -> None:
         if num_envs < 1:
             raise errors.ConfigError(f"num_envs={num_envs}: must be at least 1")
+        if group_size < 1 or num_envs % group_size:
+            raise errors.ConfigError(f"group_size={group_size}: must be at least 1 and divide "
+                                     f"num_envs={num_envs}")
         mode = AutoresetMode(autoreset_mode)
         if mode not in _SUPPORTED:
             raise errors.ConfigError(
@@ -133,8 +144,10 @@ class SWEVectorEnv(VectorEnv):
         self.single_observation_space, self.single_action_space = make_spaces(self.config)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         self.action_space = batch_space(self.single_action_space, num_envs)
+        # Room for the batch running and, with lookahead, the next one warming.
         self._owner = owner_for(pool, backend=backend, strategy=strategy, limits=limits,
-                                backend_options=backend_options, concurrency=num_envs)
+                                backend_options=backend_options,
+                                concurrency=num_envs * (2 if lookahead else 1))
         self._finalizer = weakref.finalize(self, _Owner.close, self._owner)
         self._sessions: list[Session] = []
         self._rngs: list[np.random.Generator] = []
@@ -142,6 +155,10 @@ class SWEVectorEnv(VectorEnv):
         self._observations = create_empty_array(self.single_observation_space, n=num_envs)
         self._autoreset = np.zeros(num_envs, dtype=np.bool_)
         self._started = np.zeros(num_envs, dtype=np.bool_)
+        self.group_size = group_size
+        self.lookahead = lookahead
+        self._rounds = [0] * num_envs  # draws taken by each sub-env
+        self._draws: dict[tuple[int, int], list[Any]] = {}  # (group, round) -> [task, takers left]
 
     def __repr__(self) -> str:
         return f"<SWEVectorEnv num_envs={self.num_envs} {self.autoreset_mode.value} tasks={len(self.tasks)}>"
@@ -179,7 +196,40 @@ class SWEVectorEnv(VectorEnv):
                 return self._by_id[task_id]
             except KeyError:
                 raise errors.ConfigError(f"task id {task_id!r} is not among this env's tasks") from None
-        return self.tasks[int(self._rngs[i].integers(len(self.tasks)))]
+        group, k = divmod(i, self.group_size)[0], self._rounds[i]
+        self._rounds[i] += 1
+        draw = self._draw(group, k)
+        if self.lookahead:
+            self._draw(group, k + 1)
+        draw[1] -= 1
+        if draw[1] == 0:
+            del self._draws[(group, k)]
+        return draw[0]
+
+    def _draw(self, group: int, k: int) -> list[Any]:
+        """Round ``k``'s draw of ``group``, made once, by the group's first sub-env's
+        generator."""
+        key = (group, k)
+        if key not in self._draws:
+            rng = self._rngs[group * self.group_size]
+            self._draws[key] = [self.tasks[int(rng.integers(len(self.tasks)))], self.group_size]
+        return self._draws[key]
+
+    def _prefetch(self, runner: BackgroundPool, now: list[Task]) -> None:
+        """Warm the draws not yet taken (the next rounds). ``now``, the first round, is
+        warmed with them and waited for: its claims are then warm, as after ``prepare``."""
+        if not self.lookahead:
+            return
+        pending = [t for t, left in self._draws.values() for _ in range(left)]
+        if not now:
+            runner.prefetch(pending, concurrency=self.num_envs)
+            return
+
+        async def first() -> None:
+            await runner.pool.prefetch([*now, *pending], concurrency=self.num_envs)
+            await runner.pool.wait_warm()
+
+        runner.run(first())
 
     @staticmethod
     def _gather(runner: BackgroundPool, coros: list[Any]) -> list[Any]:
@@ -250,9 +300,13 @@ class SWEVectorEnv(VectorEnv):
         for i, s in enumerate(seeds):
             if s is not None and mask[i]:
                 self._rngs[i] = np.random.default_rng(s)
+                if i % self.group_size == 0:  # the group's draws come from the new seed
+                    g = i // self.group_size
+                    self._draws = {key: d for key, d in self._draws.items() if key[0] != g}
         runner = self._ensure_sessions()
         idx = [i for i in range(self.num_envs) if mask[i]]
         tasks = [self._pick(i, task_ids[i]) for i in idx]
+        self._prefetch(runner, tasks if not self._started.any() else [])
         results = self._run_all(runner, [self._sessions[i].reset(t) for i, t in zip(idx, tasks)])
         infos: dict[str, Any] = {}
         for i, (obs, info) in zip(idx, results):
@@ -295,6 +349,8 @@ class SWEVectorEnv(VectorEnv):
         resetting = self._autoreset.copy()
         coros = [self._sessions[i].reset(self._pick(i, None)) if resetting[i]
                  else self._sessions[i].step(acts[i]) for i in range(self.num_envs)]
+        if resetting.any():
+            self._prefetch(runner, [])
         results = self._gather(runner, coros)
         rewards = np.zeros(self.num_envs, dtype=np.float64)
         terminated = np.zeros(self.num_envs, dtype=np.bool_)
