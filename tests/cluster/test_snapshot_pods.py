@@ -135,3 +135,45 @@ async def test_a_pod_snapshot_of_one_image_is_refused_by_another(cluster, namesp
                                                      "onto image 'sandpool.test/other:1'"):
             await pool.acquire(make_task("sandpool.test/other:1", second), from_snapshot=snap)
         assert pool.counters.quarantines == 0
+
+
+async def test_a_checkpointed_episode_survives_its_pod_deleted_mid_step(cluster, namespace, repo):
+    import asyncio
+
+    from sandpool.core import run_rollout
+    from sandpool.core.metrics import Outcome
+
+    path, _, second = repo
+    task = make_task(IMAGE, second)
+    step3 = "echo 3 >> steps.txt && touch /tmp/started && until [ -e /tmp/go ]; do sleep 0.01; done && echo done"
+
+    async def started(sb) -> None:
+        while not (await sb.exec("test -e /tmp/started", timeout=60)).ok:
+            await asyncio.sleep(0.05)
+
+    async def host(lease) -> None:
+        first = lease.sandbox
+        await started(first)
+        cluster.core.delete_namespaced_pod(first.pod, namespace, grace_period_seconds=0)
+        while lease.sandbox is first:
+            await asyncio.sleep(0.05)
+        await started(lease.sandbox)
+        assert (await lease.sandbox.exec("touch /tmp/go", timeout=60)).ok
+
+    seen = []
+
+    async def episode(lease) -> float:
+        assert (await lease.exec("echo 1 >> steps.txt && echo one > /tmp/kept", timeout=60)).ok
+        assert (await lease.exec("echo 2 >> steps.txt && git rm -q calc.py", timeout=60)).ok
+        watcher = asyncio.create_task(host(lease))
+        res = await lease.exec(step3, timeout=300)
+        await watcher
+        seen.append((res.text, (await lease.exec("cat steps.txt /tmp/kept; git status --porcelain",
+                                                   timeout=60)).text))
+        return 1.0
+
+    async with _pool(cluster, namespace, path) as pool:
+        result = await run_rollout(pool, task, episode, checkpoint="step")
+        assert (result.outcome, result.reward, result.recoveries) == (Outcome.COMPLETED, 1.0, 1)
+        assert seen == [("done\n", "1\n2\n3\none\nD  calc.py\n?? steps.txt\n")]
+        assert pool.counters.recoveries == 1 and pool.counters.quarantines == 0
