@@ -311,15 +311,13 @@ class Session:
         Raises:
             gymnasium.error.ResetNeeded: No episode is running.
             ConfigError: ``n`` < 1, or the backend cannot snapshot.
-            InfraError: The fork failed (no child is left running; this episode's state is
-                as it was, or it ended ``infra_failed`` if its own sandbox failed).
+            InfraError: The fork failed (no child is left running; this episode goes on, its
+                lease marked broken if its own sandbox failed).
         """
         rollout = self._running()
         assert self.task is not None
-        try:
-            leases = await rollout.step(lambda lease: lease.fork(n), checkpoint=False)
-        finally:
-            self.done = rollout.ended
+        # Not a policy action: a child that cannot be had fails the fork, not this episode.
+        leases = await rollout._active().fork(n)
         kids = []
         for lease in leases:
             kid = Session(self.runner, self.cfg, self.grader)
