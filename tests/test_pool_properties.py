@@ -104,7 +104,8 @@ class Run:
                     self.tainted.add(lease.id)
                 self.releases.append(asyncio.create_task(lease.release(reusable=reusable)))
             elif kind == "dirty":
-                await lease.write_file("calc.py", b"x")
+                with contextlib.suppress(errors.InfraError):  # on a dead sandbox: infra, broken
+                    await lease.write_file("calc.py", b"x")
                 lease.sandbox.restore_fails = True
                 self.tainted.add(lease.id)
             elif kind == "die":
