@@ -1,12 +1,14 @@
 """The sandbox pool: warm pools per image, millisecond claims, in-place reuse.
 
-* :mod:`~sandpool.core.pool.pool`: :class:`SandboxPool`, the I/O (claims, creations,
-  resets, deletes) and the run report;
+* :mod:`~sandpool.core.pool.pool`: :class:`SandboxPool`: open and close, prepare, claim and
+  release, a lease's reset, the run report;
 * :mod:`~sandpool.core.pool.entries`: what the pool holds, as entries in per-state
   collections per image, and the one place they change and decisions are made;
 * :mod:`~sandpool.core.pool.worker`: the creations, resets and deletes decided there, each
   in a task, reporting back;
 * :mod:`~sandpool.core.pool.lease`: :class:`Lease`, a claimed sandbox;
+* :mod:`~sandpool.core.pool.snapshots`: claims restored from a snapshot, fork, suspend and
+  resume of a lease;
 * :mod:`~sandpool.core.pool.limits`: :class:`PoolLimits` and the pool's lifecycle.
 """
 

@@ -1,7 +1,9 @@
 """The asyncio sandbox pool: warm pools per image, millisecond claims, in-place reuse.
 
-:class:`SandboxPool` does the I/O (claims, creations, resets, deletes); what it holds and
-what to do next is :class:`~sandpool.core.pool.entries.Entries`, changed only there.
+:class:`SandboxPool` is the surface: open and close, prepare, claim and release, a lease's
+reset, the run report. What it holds and decides is
+:class:`~sandpool.core.pool.entries.Entries`, changed only there; the creations, resets and
+deletes decided there run in :class:`~sandpool.core.pool.worker.PoolWorker`.
 """
 
 from __future__ import annotations
