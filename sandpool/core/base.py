@@ -116,6 +116,9 @@ class Sandbox(abc.ABC):
             it alone; the in-place reset empties them and checks they are empty.
         private_ipc: True when the sandbox has its own System V IPC namespace (the reset
             then removes every IPC object in it); False where it may be shared with others.
+        recorded: True when the backend recorded its pristine state
+            (:func:`~sandpool.core.reset.record_pristine`) before handing it out, off the
+            claim path; the pool then does not record it again.
         service_env: The environment its service (:class:`~sandpool.core.service.ServiceSpec`)
             was started with, its secrets included; empty without a service.
     """
@@ -126,6 +129,7 @@ class Sandbox(abc.ABC):
     head: str | None = None
     scratch: tuple[str, ...] = ("/tmp",)
     private_ipc: bool = False
+    recorded: bool = False
     service_env: Mapping[str, str] = MappingProxyType({})
 
     @abc.abstractmethod

@@ -315,6 +315,17 @@ async def record_pristine(sandbox: Sandbox, *, refresh_index: bool = False,
         await sandbox.pin_repo_state([".git/index"])
 
 
+def adopt_record(sandbox: Sandbox, source: Sandbox) -> bool:
+    """Give ``sandbox`` the pristine record :func:`record_pristine` took through ``source``,
+    another handle on the same sandbox made before any rollout touched it (a warm pod's,
+    recorded before its claim); return False when there is none."""
+    rec = _records.pop(source, None)
+    if rec is None:
+        return False
+    _records[sandbox] = rec
+    return True
+
+
 async def _record(sandbox: Sandbox, timeout: float) -> None:
     res = await sandbox.exec(
         f"{_manifest('.')}; echo {_SEP}; find . \\( {_OWN} \\) -prune -o -printf '%C@ %s %p\\n';"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sandpool.core import SandboxPool
+from sandpool.core.reset import pristine_record
 from tests.waiting import until
 
 from test_kubernetes_backend import backend, make_task, pods_of, repo  # noqa: F401 - fixture
@@ -12,7 +13,8 @@ from test_kubernetes_backend import backend, make_task, pods_of, repo  # noqa: F
 pytestmark = pytest.mark.cluster
 
 
-async def test_a_claim_adopts_the_session_opened_on_its_warm_pod(cluster, namespace, repo):
+async def test_a_claim_adopts_the_session_and_record_made_on_its_warm_pod(cluster, namespace,
+                                                                           repo):
     path, first, _ = repo
     be = backend(cluster, namespace, path, presessions=3)
     task = make_task("sandpool.test/calc:1", first)
@@ -24,7 +26,9 @@ async def test_a_claim_adopts_the_session_opened_on_its_warm_pod(cluster, namesp
             await until(lambda: len(pre) == 3 and all(t.done() for t in pre.pending.values()),
                         "a session opened on each warm pod")
             opened = {name: t.result() for name, t in pre.pending.items()}
-            assert all(s is not None and s.alive for s in opened.values())
+            assert all(s is not None and s.session.alive for s in opened.values())
+            # ...and each pod's pristine state recorded through it, before any claim.
+            assert all(s.recorded is not None for s in opened.values())
             seen = set()
             for i in range(3):
                 async with pool.claim(task) as lease:
@@ -32,7 +36,10 @@ async def test_a_claim_adopts_the_session_opened_on_its_warm_pod(cluster, namesp
                     assert sb.channel == "agent" and sb.pod not in seen
                     seen.add(sb.pod)
                     if i == 0:  # bound to one of the three: it adopted that pod's session
-                        assert sb._session is opened[sb.pod] and be.presessions_adopted == 1
+                        assert sb._session is opened[sb.pod].session
+                        assert be.presessions_adopted == 1
+                    if sb.pod in opened:  # a warm pod's: its record came with it
+                        assert sb.recorded and pristine_record(sb) is not None
                     res = await lease.exec("git rev-parse HEAD; pwd")
                     assert res.text.split() == [first, "/testbed"]
                     await lease.write_file("x.txt", b"y")

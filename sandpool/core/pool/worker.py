@@ -126,8 +126,9 @@ class PoolWorker:
             try:
                 # What the in-place reset and grading restore to, recorded while it is fresh;
                 # warming includes git's index (off the claim path).
-                await record_pristine(sandbox, refresh_index=warm_up,
-                                      timeout=self.limits.create_timeout)
+                if not sandbox.recorded:
+                    await record_pristine(sandbox, refresh_index=warm_up,
+                                          timeout=self.limits.create_timeout)
             except BaseException:
                 try:
                     await self.backend.delete(sandbox)

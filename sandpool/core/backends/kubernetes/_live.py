@@ -22,6 +22,7 @@ from sandpool.core.backends.kubernetes._presession import Presessions
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
 from sandpool.core.backends.kubernetes._watch import Informer
+from sandpool.core.reset import adopt_record
 from sandpool.core.service import ServiceSpec
 
 __all__ = ["LiveSandboxes"]
@@ -183,7 +184,8 @@ class LiveSandboxes:
         if self._presessions is not None:
             pre = await self._presessions.take(sb.pod, sb.pod_uid)
             if pre is not None:
-                sb.attach(pre)
+                sb.attach(pre.session)
+                sb.recorded = pre.recorded is not None and adopt_record(sb, pre.recorded)
                 return
         session = AgentSession(self._http, sb._target, sb.id, self.python,
                                attach=self._attach)

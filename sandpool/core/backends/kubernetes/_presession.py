@@ -10,8 +10,11 @@ Sandbox objects and so their pods are named ``<warm pool>-<suffix>`` by the cont
 keep that name when claimed.
 
 A pre-opened session is the agent of a pod no rollout has touched, so adopting it is the same
-as opening it at the claim; one whose pod is deleted, replaced or not adopted by close is
-closed. On kwok each session is a host process (about 10 MB), hence the bound.
+as opening it at the claim. Through it the pod's pristine state is recorded too (and git's
+index refreshed), as the pool would right after the claim, so a warm claim is ready to
+run the rollout's first command. One whose pod is deleted, replaced or not adopted by close
+is closed. On kwok each session is a host process (about 10 MB), hence the bound, which
+grows with the warm targets the pool announces (:meth:`Presessions.announce`).
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from sandpool.core.backends.kubernetes._exec import ExecTarget
 from sandpool.core.backends.kubernetes._http import KubeHttp
 from sandpool.core.backends.kubernetes._images import PodImages
 from sandpool.core.backends.kubernetes._pods import pod_ready
+from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
 from sandpool.core.backends.kubernetes._watch import Informer
+from sandpool.core.reset import record_pristine
 
-__all__ = ["Presessions"]
+__all__ = ["Opened", "Presessions"]
 
 log = logging.getLogger("sandpool.kubernetes")
 
@@ -38,7 +43,16 @@ log = logging.getLogger("sandpool.kubernetes")
 @dataclass(eq=False)
 class _Pre:
     uid: str
-    task: asyncio.Task[AgentSession | None]
+    task: asyncio.Task[Opened | None]
+
+
+@dataclass(eq=False)
+class Opened:
+    """A session opened on a warm pod, and the handle its pristine state was recorded
+    through (None when the record failed: the pool records it after the claim)."""
+
+    session: AgentSession
+    recorded: KubernetesSandbox | None
 
 
 class Presessions:
@@ -81,7 +95,7 @@ class Presessions:
         self._images = images
         self._pods = pods
         self._warm_pool_image = warm_pool_image
-        self.limit = limit
+        self.limit = self._configured = limit
         self.python = python
         self.timeout = timeout
         self.adopted = 0  #: sessions a claim adopted
@@ -96,7 +110,7 @@ class Presessions:
         return len(self._pre)
 
     @property
-    def pending(self) -> Mapping[str, asyncio.Task[AgentSession | None]]:
+    def pending(self) -> Mapping[str, asyncio.Task[Opened | None]]:
         """Pod -> the task opening (or that opened) its session, for every session held."""
         return {name: pre.task for name, pre in self._pre.items()}
 
@@ -131,9 +145,9 @@ class Presessions:
                             sandbox_id=f"{self.run_id}-pre-{name}",
                             workdir=self._images.resolve(image).workdir)
         self._pre[name] = _Pre(meta["uid"], asyncio.get_running_loop().create_task(
-            self._open(target, image), name=f"sandpool-presession-{name}"))
+            self._open(target, image, meta["uid"]), name=f"sandpool-presession-{name}"))
 
-    async def _open(self, target: ExecTarget, image: str) -> AgentSession | None:
+    async def _open(self, target: ExecTarget, image: str, uid: str) -> Opened | None:
         session = AgentSession(self._http, target, target.sandbox_id, self.python,
                                attach=self._attach)
         try:
@@ -145,9 +159,23 @@ class Presessions:
         except Exception as exc:  # noqa: BLE001 - the claim opens its own session then
             log.debug("pre-opening the agent session of pod %s failed: %s", target.pod, exc)
             return None
-        return session
+        probe = KubernetesSandbox(self._http, target.sandbox_id, image, target, uid, None,
+                                  agent_python=self.python)
+        probe.head = self._images.resolve(image).head
+        probe.attach(session)
+        try:
+            await record_pristine(probe, refresh_index=True, timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - the pool records it after the claim then
+            log.debug("recording pod %s before its claim failed: %s", target.pod, exc)
+            return Opened(session, None)
+        return Opened(session, probe)
 
-    async def take(self, pod: str, uid: str) -> AgentSession | None:
+    def announce(self, sessions: int) -> None:
+        """The pool announced warm targets of ``sessions`` sandboxes claimed per rollout:
+        keep up to that many sessions open (never below the configured bound)."""
+        self.limit = max(self._configured, sessions)
+
+    async def take(self, pod: str, uid: str) -> Opened | None:
         """The pre-opened (or opening) session of ``pod`` if it is still that pod's and alive;
         the caller owns it then. Called for every pod a sandbox is made of: none is
         pre-opened afterwards."""
@@ -158,13 +186,13 @@ class Presessions:
         if pre.uid != uid:
             self._close_later(pre)
             return None
-        session = await pre.task
-        if session is None or not session.alive:
-            if session is not None:
-                await session.aclose()
+        opened = await pre.task
+        if opened is None or not opened.session.alive:
+            if opened is not None:
+                await opened.session.aclose()
             return None
         self.adopted += 1
-        return session
+        return opened
 
     def no_agent(self, image: str) -> None:
         """Open no session on ``image``'s pods: its agent cannot start there."""
@@ -178,9 +206,9 @@ class Presessions:
     def _close_later(self, pre: _Pre) -> None:
         async def close() -> None:
             with contextlib.suppress(Exception):
-                session = await pre.task
-                if session is not None:
-                    await session.aclose()
+                opened = await pre.task
+                if opened is not None:
+                    await opened.session.aclose()
 
         task = asyncio.get_running_loop().create_task(close())
         self._closing.add(task)

@@ -101,9 +101,11 @@ class KubernetesBackend(Backend):
             ``api_stats["fallback_sandboxes"]`` and ``sandpool_kube_exec_fallbacks_total``.
         agent_python: The interpreter command that runs the agent in the image.
         agent_timeout: Seconds the agent may take to say it is ready before the fallback.
-        presessions: Open the agent session of up to this many Ready warm-pool pods before
-            they are claimed (agent-sandbox mode, a strategy that claims per rollout), so
-            a claim does not wait for the agent's start; see :mod:`._presession`. 0: off.
+        presessions: Open the agent session of up to this many Ready warm-pool pods, and
+            record their pristine state through it, before they are claimed (agent-sandbox
+            mode, a strategy that claims per rollout), so a warm claim is exec-ready; the
+            bound grows to the warm targets the pool announces. See :mod:`._presession`.
+            0: off.
         sandbox_objects: With a reusing strategy, make each held sandbox an agent-sandbox
             Sandbox object (one write per sandbox) instead of a template, warm pool and claim
             per image (three); see :meth:`set_warm_target`.
@@ -218,6 +220,7 @@ class KubernetesBackend(Backend):
             controller_version=controller_version)
         self._deleter = Deleter(http, ns, run, delete_batch_s)
         self._sandbox_objects = sandbox_objects
+        self._announced: dict[str, int] = {}  # image -> warm sandboxes claimed per rollout
         #: Snapshot change sets of this run's pods, on this host (removed with the run).
         self.snapshots = sandpool_home() / "kube-snapshots" / run
         self._start_lock = asyncio.Lock()
@@ -323,7 +326,11 @@ class KubernetesBackend(Backend):
         if self._claims is None:
             return n
         await self._client()
-        return await self._claims.set_warm_target(image, n, reuse=reuse)
+        kept = await self._claims.set_warm_target(image, n, reuse=reuse)
+        if self._presessions is not None:  # sessions for every warm sandbox claimed per rollout
+            self._announced[image] = n - kept
+            self._presessions.announce(sum(self._announced.values()))
+        return kept
 
     async def wait_warm(self) -> None:
         """Wait until every SandboxWarmPool of this run has its replicas Ready (shared watch).
