@@ -311,7 +311,7 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: _Monit
         "windows": len(windows), "prepare+prepull (s)": round(prepare_s, 1),
         "retried attempts": sum(max(0, (r.attempts or 1) - 1) for r in results),
         **mon.peaks(w0, w1),
-        "namespace": namespace, "t0": w0, "timeline": series, "prepulls": prepulls,
+        "_namespace": namespace, "_t0": w0, "timeline": series, "prepulls": prepulls,
         "plan": plan.as_dict() if plan else None,
         "quarantine reasons": [q for c in counters for q in c.quarantine_reasons],
         "apiserver requests by verb": delta,

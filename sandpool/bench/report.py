@@ -42,7 +42,8 @@ class StrategyResult(BaseModel):
             SDK client's).
         load: Load averages (1 min) at the start and the end of the run.
         report: sandpool's own run report, for sandpool's strategies.
-        extra: Backend-specific figures (Kubernetes API writes, exec streams, ...).
+        extra: Backend-specific figures (Kubernetes API writes, exec streams, ...); scalars are
+            table rows, except keys starting with ``_`` (bookkeeping, kept in the JSON).
     """
 
     name: str
@@ -181,9 +182,11 @@ class BenchReport(BaseModel):
             ("load avg 1m start/end", lambda s: f"{s.load[0]:.1f}/{s.load[1]:.1f}"),
         ]
         extra_keys = list(dict.fromkeys(k for s in self.results.values() for k in s.extra
-                                        if not isinstance(s.extra[k], (list, dict))))
+                                        if not k.startswith("_") and not isinstance(s.extra[k], (list, dict))))
         rows += [(k, lambda s, k=k: str(s.extra.get(k, "-"))) for k in extra_keys]
         names = list(self.results)
+        # A row no strategy has a figure for (host CPU on a cluster that is not this machine's).
+        rows = [(label, fn) for label, fn in rows if any(fn(self.results[n]) != "-" for n in names)]
         width = max(12, *(len(n) + 2 for n in names))
         lines = [f"{'':<26}" + "".join(f"{n:>{width}}" for n in names)]
         lines += [f"{label:<26}" + "".join(f"{fn(self.results[n]):>{width}}" for n in names)
@@ -237,8 +240,9 @@ def ttfc_cdf(samples: dict[str, list[float]], path: Path, title: str) -> None:
     for name, s in samples.items():
         xs = sorted(x * 1000 for x in s)
         if xs:
+            p50 = (TTFCStats.from_samples(list(s)).p50_s or 0) * 1000  # as the table gives it
             ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                    label=f"{name} (p50 {xs[len(xs) // 2]:.0f} ms, max {xs[-1]:.0f} ms)")
+                    label=f"{name} (p50 {p50:.0f} ms, max {xs[-1]:.0f} ms)")
     ax.set_xscale("log")
     ax.set_xlabel("time to first command (ms, log scale)")
     ax.set_ylabel("fraction of rollouts")
@@ -260,7 +264,7 @@ def timeline_plot(report: BenchReport, path: Path) -> None:
         points = sorted(r.extra.get("timeline", []), key=lambda p: p[0])
         keys = sorted({k for _, s in points for k in s})
         for k in keys:
-            ts = [t - r.extra.get("t0", 0) for t, s in points if k in s]
+            ts = [t - r.extra.get("_t0", 0) for t, s in points if k in s]
             ax.step(ts, [s[k] for _, s in points if k in s], where="post", label=k)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel("seconds since the mode started")
