@@ -33,13 +33,15 @@ def test_shipped_config_validates(tmp_path: Path) -> None:
     assert cfg.entrypoint == "app.py" and cfg.num_workers == 1
     assert cfg.sandpool == PoolSettings(backend="local", strategy="reuse", tasks="default", concurrency=8,
                                         idle_timeout_s=600, exec_timeout_s=60, max_exec_timeout_s=600,
-                                        grade_timeout_s=300, max_output_bytes=65536)
+                                        grade_timeout_s=300, max_output_bytes=65536,
+                                        num_repeats=1)
 
 
 @pytest.mark.parametrize(("inner", "key"), [
     ({"sandpool": {"strategy": "fast"}}, "sandpool.strategy"),
     ({"sandpool": {"backend": "docker"}}, "sandpool.backend"),
     ({"sandpool": {"concurrency": 0}}, "sandpool.concurrency"),
+    ({"sandpool": {"num_repeats": 0}}, "sandpool.num_repeats"),
     ({"sandpool": {"idle_timeout_s": -1}}, "sandpool.idle_timeout_s"),
     ({"sandpool": {"stratgy": "reuse"}}, "sandpool.stratgy"),
     ({"sandpool": {"exec_timeout_s": 900}}, "max_exec_timeout_s"),

@@ -43,6 +43,8 @@ class PoolSettings(BaseModel):
             sandpool builds locally. ``None`` serves only tasks sent inline.
         images_root: Directory of local image directories (default: sandpool's cache).
         concurrency: Sessions expected at once; the warm pools are sized for it.
+        num_repeats: NeMo Gym's ``num_repeats`` (a GRPO group: rollouts of one row at once);
+            each task's warm pool is sized for that many of its sessions at once.
         prepare: Hydrate images and fill warm pools at startup, off the rollout path.
         max_live: Cap on live sandboxes (``None``: the strategy's default for ``concurrency``).
         create_rate: Sandbox creations per second, sustained.
@@ -73,6 +75,7 @@ class PoolSettings(BaseModel):
     tasks: str | None = "default"
     images_root: str | None = None
     concurrency: int = Field(default=8, ge=1)
+    num_repeats: int = Field(default=1, ge=1)
     prepare: bool = True
     max_live: int | None = Field(default=None, ge=1)
     create_rate: float = Field(default=20.0, gt=0)

@@ -203,7 +203,8 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         await pool.open()
         try:
             if settings.prepare and tasks:
-                await pool.prepare(tasks, concurrency=settings.concurrency)
+                await pool.prepare(tasks, concurrency=settings.concurrency,
+                                   rollouts_per_task=settings.num_repeats)
         except BaseException:
             await pool.aclose()
             raise
