@@ -10,6 +10,7 @@ import os
 import resource
 import subprocess
 import sys
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -55,6 +56,15 @@ def test_bench_refuses_unknown_strategies_and_docker_on_images_it_cannot_run(tmp
     text = " ".join(docker.output.split())
     assert docker.exit_code == 2 and "not an OCI image in the local store" in text, text
     assert "sandpool images pull" in text
+
+
+def test_cpu_meter_removes_the_group_a_killed_run_left(tmp_path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is gone: the group stands for a run killed before it removed its own
+    left = Path(f"/sys/fs/cgroup/cpuacct/sandpool-bench-{dead.pid}")
+    left.mkdir()
+    with CpuMeter(f"sandpool-bench-test-{os.getpid()}"):
+        assert not left.exists()
 
 
 def test_cpu_meter_counts_what_its_children_use(tmp_path) -> None:

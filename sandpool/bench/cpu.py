@@ -57,6 +57,7 @@ class CpuMeter:
         if not self.available:
             return self
         assert self._acct is not None
+        self._reap()
         own = next((ln.split(":", 2)[2] for ln in Path("/proc/self/cgroup").read_text().splitlines()
                     if "cpuacct" in ln.split(":")[1].split(",")), "/")
         self._home = self._acct / own.lstrip("/")
@@ -71,16 +72,15 @@ class CpuMeter:
         with contextlib.suppress(OSError):
             (self._home / "cgroup.procs").write_text(str(os.getpid()))
         self._home = None
-        # The group's directories in every hierarchy (the daemon's cgroup parent made them).
-        for c in _ROOT.iterdir():
-            group = c / self.name
-            if not group.is_dir():
-                continue
-            for d in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
-                with contextlib.suppress(OSError):
-                    d.rmdir()
-            with contextlib.suppress(OSError):
-                group.rmdir()
+        _remove(self.name)
+
+    @staticmethod
+    def _reap() -> None:
+        """Remove the groups of bench processes that are gone (a killed run's), once empty."""
+        for group in (_ROOT / "cpuacct").glob("sandpool-bench-*"):
+            pid = group.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                _remove(group.name)
 
     def read(self, sub: str = "") -> float | None:
         """CPU seconds charged so far to the group (or its subgroup ``sub``); None when the
@@ -91,3 +91,17 @@ class CpuMeter:
             return int((self._acct / self.name / sub / "cpuacct.usage").read_text()) / 1e9
         except (OSError, ValueError):
             return None
+
+
+def _remove(name: str) -> None:
+    """Remove group ``name`` in every hierarchy (the Docker daemon's cgroup parent made it in
+    all of them), deepest first; a group something still runs in stays."""
+    for c in _ROOT.iterdir():
+        group = c / name
+        if not group.is_dir():
+            continue
+        for d in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            group.rmdir()
