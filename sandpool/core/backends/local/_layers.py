@@ -42,7 +42,8 @@ from pathlib import Path
 
 from sandpool.core.images import ID_COUNT
 
-__all__ = ["FileMemo", "TreeHash", "copy_tree", "hash_tree", "root_record"]
+__all__ = ["FileMemo", "TreeHash", "copy_entry", "copy_tree", "entry_records", "hash_tree",
+           "root_record"]
 
 _OPAQUE = "trusted.overlay.opaque"
 _NOBODY = 65534  # an owner outside the tree's range (none should be) is counted as nobody
@@ -213,6 +214,30 @@ def _hash_file(path: str, dst_fd: int | None = None) -> str:
     return h.hexdigest()
 
 
+def _leaf_payload(kind: str, path: str, st: os.stat_result, memo: FileMemo | None, store: bool) -> str:
+    if kind == "l":
+        return os.readlink(path)
+    if kind != "f":
+        return ""
+    hit = memo.sha(st, store=store) if memo is not None else None
+    if hit is not None:
+        return hit
+    digest = _hash_file(path)
+    if memo is not None:
+        memo.put(st, digest, store=store)
+    return digest
+
+
+def _records(root: str, base: int, memo: FileMemo | None, store: bool,
+             prefix: str = "") -> Iterator[tuple[bytes, os.stat_result]]:
+    for rel, path, st in _walk(root):
+        kind = _kind(st)
+        if kind is None:
+            continue
+        payload = _leaf_payload(kind, path, st, memo, store)
+        yield _record(prefix + rel, kind, st, base, _xattrs(path) if kind != "w" else {}, payload), st
+
+
 def hash_tree(root: Path | str, *, base: int, memo: FileMemo | None = None,
               store: bool = False) -> TreeHash:
     """The content hash of the tree at host path ``root`` (see the module docstring).
@@ -228,25 +253,54 @@ def hash_tree(root: Path | str, *, base: int, memo: FileMemo | None = None,
         OSError: The tree cannot be read.
     """
     h, size, n = hashlib.sha256(), 0, 0
-    for rel, path, st in _walk(str(root)):
-        kind = _kind(st)
-        if kind is None:
-            continue
+    for record, st in _records(str(root), base, memo, store):
+        h.update(record)
         n += 1
-        payload = ""
-        if kind == "f":
-            size += st.st_size
-            hit = memo.sha(st, store=store) if memo is not None else None
-            if hit is not None:
-                payload = hit
-            else:
-                payload = _hash_file(path)
-                if memo is not None:
-                    memo.put(st, payload, store=store)
-        elif kind == "l":
-            payload = os.readlink(path)
-        h.update(_record(rel, kind, st, base, _xattrs(path) if kind != "w" else {}, payload))
+        size += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return TreeHash(h.hexdigest(), size, n)
+
+
+def entry_records(path: Path | str, name: str, *, base: int, memo: FileMemo | None = None) -> list[bytes]:
+    """The canonical records of the entry at host path ``path``, named ``name``, and of every
+    entry below it when it is a directory (named ``name/...``); its own attributes included.
+
+    Raises:
+        OSError: It cannot be read.
+    """
+    path = str(path)
+    st = os.lstat(path)
+    kind = _kind(st)
+    if kind is None:
+        return []
+    own = _record(name, kind, st, base, _xattrs(path) if kind != "w" else {},
+                  _leaf_payload(kind, path, st, memo, False))
+    if kind != "d":
+        return [own]
+    return [own, *(r for r, _ in _records(path, base, memo, False, prefix=name + "/"))]
+
+
+def copy_entry(src: Path | str, dst: Path | str, *, src_base: int, dst_base: int) -> None:
+    """Copy the entry at ``src`` (a directory with everything below it, or one file, symlink
+    or fifo) to ``dst``, which must not exist, as :func:`copy_tree` copies.
+
+    Raises:
+        OSError: A read or a write failed.
+    """
+    src, dst = str(src), str(dst)
+    st = os.lstat(src)
+    kind = _kind(st)
+    if kind == "d":
+        copy_tree(src, dst, src_base=src_base, dst_base=dst_base)
+        return
+    if kind == "f":
+        _copy_file(src, dst, st, None, {})
+    elif kind == "l":
+        os.symlink(os.readlink(src), dst)
+    elif kind == "p":
+        os.mkfifo(dst, 0o600)
+    else:
+        return
+    _set_attrs(dst, st, _xattrs(src), src_base, dst_base)
 
 
 def _set_attrs(path: str, st: os.stat_result, xattrs: dict[str, bytes], src_base: int,

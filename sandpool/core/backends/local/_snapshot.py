@@ -31,9 +31,8 @@ since, an incomplete ``/tmp`` or a wrong stack is caught and the sandbox quarant
 
 What a snapshot does not hold: processes, ``/dev/shm`` and ``/dev/mqueue`` (memory, like
 processes), a service's directory (a service is restored to its fresh state anyway).
-Snapshots of sandboxes of OCI images are not restored by this backend (their root is the
-overlay, which cannot be stacked under a running sandbox): :meth:`LocalSandbox.load_snapshot`
-says so.
+Sandboxes of OCI images, whose root is the overlay (which cannot be stacked under a running
+sandbox), are snapshotted as a change set instead: ``_snapshot_oci``.
 """
 
 from __future__ import annotations
@@ -172,11 +171,9 @@ def _repo_upper(sb: LocalSandbox) -> Path:
 
 
 def _check_dir(sb: LocalSandbox) -> None:
-    if sb.oci is not None:
-        raise errors.ConfigError(
-            f"sandbox {sb.id} runs OCI image {sb.image!r}: the local backend snapshots and "
-            "restores sandboxes of image directories only (an OCI sandbox's root is its "
-            "overlay); use an image directory or the kubernetes backend")
+    if sb.oci is not None:  # its root is the overlay: a change set, see _snapshot_oci
+        raise errors.ConfigError(f"sandbox {sb.id} runs OCI image {sb.image!r}: its snapshots are "
+                                 "change sets (_snapshot_oci), not stacked layers")
 
 
 async def capture(sb: LocalSandbox, store: Store) -> Snapshot:

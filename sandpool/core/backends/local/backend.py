@@ -279,7 +279,7 @@ class LocalBackend(Backend):
         sandbox.snapshots = self.snapshots
         sandbox.freezer = functools.partial(self.freeze, sandbox)
         if oci:
-            sandbox.lowers = lowers
+            sandbox.lowers, sandbox.view, sandbox.root = lowers, view, root
             if (view / img.repo_dir.lstrip("/") / ".git").is_dir():
                 sandbox._lower = str(view / img.repo_dir.lstrip("/"))
                 sandbox._image_in_sandbox = _oci.IMAGE_IN_SANDBOX

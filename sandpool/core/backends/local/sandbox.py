@@ -14,7 +14,7 @@ from sandpool.core.agent import service
 from sandpool.core.agent.channel import PipeChannel
 from sandpool.core.agent.client import AgentClient
 from sandpool.core.agent.sandbox import AgentSandbox
-from sandpool.core.backends.local import _oci, _overlay, _snapshot
+from sandpool.core.backends.local import _oci, _overlay, _snapshot, _snapshot_oci
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
 from sandpool.core.backends.local._cgroup import FIRST_COMMAND_WEIGHT, BudgetWatch, CgroupDriver
 from sandpool.core.backends.local._idrange import IdRange
@@ -87,6 +87,9 @@ class LocalSandbox(AgentSandbox):
         self.init_pid = 0
         #: The stacked overlay of a snapshot it was restored from, or None.
         self.stack: _snapshot.Stack | None = None
+        #: An OCI sandbox's merged root and its image's read-only view, on the host.
+        self.root: Path | None = None
+        self.view: Path | None = None
         #: The backend's snapshot store and freezer (set by the backend).
         self.snapshots: _snapshot.Store | None = None
         self.freezer = _no_freezer
@@ -238,21 +241,28 @@ class LocalSandbox(AgentSandbox):
         return self.snapshots
 
     async def snapshot(self) -> Snapshot:
-        """Take a snapshot of the repo and ``/tmp``; see :meth:`Sandbox.snapshot` and
-        ``_snapshot`` (its processes are frozen meanwhile)."""
+        """Take a snapshot of the repo and ``/tmp`` (an OCI sandbox: of its root's change set);
+        see :meth:`Sandbox.snapshot`, ``_snapshot`` and ``_snapshot_oci`` (its processes are
+        frozen meanwhile)."""
         if not self.alive():
             raise errors.SandboxDied(f"sandbox {self.id} is gone: {self._agent.error}")
+        if self.oci is not None:
+            return await _snapshot_oci.capture(self, self._store())
         return await _snapshot.capture(self, self._store())
 
     async def load_snapshot(self, snap: Snapshot) -> None:
-        """Restore ``snap`` into this pristine sandbox by stacking its layers; see
-        :meth:`Sandbox.load_snapshot` and ``_snapshot``."""
+        """Restore ``snap`` into this pristine sandbox: stack its layers (an OCI sandbox:
+        replay its change set); see :meth:`Sandbox.load_snapshot`."""
+        if self.oci is not None:
+            await _snapshot_oci.load(self, snap, self._store())
+            return
         await _snapshot.load(self, snap, self._store(), self.state_dir / "snap-views")
 
     async def state_hash(self) -> str:
         """The hash of the sandbox's state as a snapshot records it; see
         :meth:`Sandbox.state_hash`."""
-        return await asyncio.to_thread(_snapshot.state_hash, self, self._store())
+        mod = _snapshot_oci if self.oci is not None else _snapshot
+        return await asyncio.to_thread(mod.state_hash, self, self._store())
 
     def _disk_full(self) -> str | None:
         """Why the sandbox's quota filesystem is full, read on the host (the evidence that an
