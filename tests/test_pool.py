@@ -304,6 +304,30 @@ async def test_a_quarantined_sandboxs_replacement_evicts_no_other_images_sandbox
             backend.delete_gate.set()
 
 
+async def test_a_warm_fill_at_the_cap_evicts_no_other_images_warm_sandbox():
+    # With warm, a leased sandbox is deleted at its release: it does not count toward its
+    # image's warm target. An image with one leased and one idle sandbox is at its target of
+    # one, so another image's fill at the cap waits for room instead of evicting that idle
+    # sandbox (which its image would refill at once, evicting in turn: a cascade).
+    backend = MemoryBackend()
+    a, b = task(0, image="img-a"), task(0, image="img-b")
+    async with SandboxPool(backend, "warm", PoolLimits(max_live=4)) as pool:
+        await pool.prepare([a, b], concurrency=2)
+        held = [await pool.acquire(a), await pool.acquire(b)]
+        await pool.wait_warm(60)
+        assert pool.sizes()["img-a"]["idle"] == pool.sizes()["img-b"]["idle"] == 1
+        kept = next(sid for sid, sb in backend.live.items()
+                    if sb.image == "img-a" and sid != held[0].sandbox.id)
+        held.append(await pool.acquire(b))  # b's idle sandbox: b's fill finds the cap
+        await pool.wait_warm(60)
+        assert pool.counters.evicted == 0 and kept in backend.live
+        for lease in held:
+            await pool.release(lease)
+        hits = pool.counters.warm_hits
+        async with pool.claim(a) as lease:
+            assert lease.sandbox.id == kept and pool.counters.warm_hits == hits + 1
+
+
 async def test_reuse_starts_a_quarantined_sandboxs_replacement_before_the_next_claim():
     # The default cap leaves headroom: the replacement is a warm fill started as the
     # quarantine is decided, while the old sandbox's delete is still in flight, so the

@@ -334,9 +334,17 @@ class Entries:
             for name, img in self.images.items():
                 if name == exclude or not img.count(S.IDLE) or img.waiters:
                     continue
-                if beyond and img.count(S.IDLE, S.LEASED, S.RESETTING) <= img.target:
+                if beyond and not self._beyond_target(img):
                     continue
                 entry = img._by_state[S.IDLE][-1]
                 self.move(entry, S.DELETED)
                 return entry
         return None
+
+    def _beyond_target(self, img: ImageEntries) -> bool:
+        """Whether ``img`` holds more sandboxes than its target, counted as its strategy counts
+        them toward it (a leased sandbox counts for ``reuse``, which gets it back; not for
+        ``warm``, which deletes it). Creations in flight are not counted: they are not idle."""
+        # The deficit toward one more than the target is 0 exactly when the target is exceeded.
+        return self.strategy.deficit(target=img.target + 1, idle=img.count(S.IDLE), creating=0,
+                                     leased=img.count(S.LEASED), resetting=img.count(S.RESETTING)) == 0
