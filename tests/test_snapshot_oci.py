@@ -1,5 +1,7 @@
 """Snapshots and forks of local sandboxes of OCI images (the SWE-bench-shaped test image): the
-change set against the image, replayed into other sandboxes of it and verified."""
+change set against the image, replayed into other sandboxes of it and verified; and the
+hostile cases of tests/test_snapshot_hostile.py that differ here, where a restore copies the
+change into the child's own root (a snapshot under a writer, the disk quota across forks)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from sandpool.core import PoolLimits, ResourceLimits, SandboxPool, Task, errors
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.images import ID_BASE
 from sandpool.envs.grading import DiffGrader
+
+from .waiting import until
 
 STATE = ("echo '# note' >> calcpkg/__init__.py && rm -f README* && mkdir -p new/deep && echo x > new/deep/f"
          " && echo kept > /tmp/kept && mkdir -p /root/.cache && echo c > /root/.cache/c"
@@ -92,3 +96,54 @@ async def test_an_oci_snapshot_is_refused_by_a_sandbox_of_another_image(test_ima
             snap = await lease.snapshot()
         with pytest.raises(errors.ConfigError, match="cannot be restored onto image"):
             await pool.acquire(calc_task, from_snapshot=snap)
+
+
+async def test_an_oci_snapshot_taken_while_a_process_writes_is_consistent(test_images_root, swe):
+    store, task = swe
+    async with _pool(test_images_root, store) as pool:
+        async with pool.claim(task) as parent:
+            # One write(2) per line: a line is either whole in the snapshot or absent.
+            res = await parent.exec(
+                "nohup python -c \"import os\nfd=os.open('log.txt',os.O_WRONLY|os.O_CREAT|os.O_APPEND)\n"
+                "import time\ni=0\nwhile True:\n os.write(fd,b'%08d ' % i + b'x'*4000 + b'\\\\n')\n"
+                " i+=1\n time.sleep(0.001)\" >/dev/null 2>&1 & echo started", timeout=60)
+            assert res.ok
+            host = parent.sandbox.root / task.workdir.strip("/") / "log.txt"
+            await until(lambda: host.exists() and host.stat().st_size > 400_000, "the writer running")
+            snap = await parent.snapshot()
+            async with pool.claim(task, from_snapshot=snap) as child:
+                lines = (await child.read_file("log.txt")).split(b"\n")
+                assert lines[-1] == b"" and len(lines) > 100
+                assert [int(line[:8]) for line in lines[:-1]] == list(range(len(lines) - 1))
+                assert all(len(line) == 4009 for line in lines[:-1])
+            # The parent's writer went on; the snapshot did not move with it.
+            await until(lambda: host.stat().st_size > 4009 * (len(lines) + 50), "the writer going on")
+            async with pool.claim(task, from_snapshot=snap) as again:
+                assert await again.sandbox.state_hash() == snap.content_hash
+                assert len((await again.read_file("log.txt")).split(b"\n")) == len(lines)
+
+
+async def test_the_disk_quota_holds_across_forks_of_an_oci_sandbox(test_images_root, swe):
+    store, task = swe
+    mib = 1 << 20
+    write = "dd if=/dev/urandom of={name} bs=1M count={n} status=none && echo done"
+    limits = ResourceLimits(disk_bytes=96 * mib)
+    async with _pool(test_images_root, store, limits=limits) as pool:
+        async with pool.claim(task) as parent:
+            assert (await parent.exec(write.format(name="base.bin", n=48), timeout=120)).text == "done\n"
+            a, b = await parent.fork(2)
+            try:
+                # The change is replayed into each child's own root: on the child's quota.
+                full = await a.exec(write.format(name="a1.bin", n=64), timeout=120)
+                assert full.exit_code != 0 and "No space left on device" in full.err_text
+                with pytest.raises(errors.DiskQuotaExceeded):
+                    await a.write_file("a2.bin", b"x" * (32 * mib))
+                # A sibling's quota is its own, and so is the parent's.
+                assert (await b.exec(write.format(name="b1.bin", n=24), timeout=120)).text == "done\n"
+                assert (await parent.exec(write.format(name="p1.bin", n=24), timeout=120)).text == "done\n"
+                res = await b.exec("ls a1.bin a2.bin p1.bin; wc -c < base.bin", timeout=60)
+                assert res.text == f"{48 * mib}\n"  # none of the others' files
+            finally:
+                await a.release()
+                await b.release()
+        assert pool.counters.quarantines == 0
