@@ -122,27 +122,48 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
+# Runs the killed run as a child subreaper that never waits for an orphan: whatever of the
+# killed run's tree dies after its parent stays in the process table (as under an init that
+# reaps late, or never) until the test closes this process's stdin.
+_UNDER_A_SUBREAPER = """
+import ctypes, json, subprocess, sys
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+run = subprocess.run([sys.executable, "-c", *sys.argv[1:]], capture_output=True, text=True, timeout=600)
+print(json.dumps({"returncode": run.returncode, "stdout": run.stdout, "stderr": run.stderr[-2000:]}),
+      flush=True)
+sys.stdin.read()
+"""
+
+
 def test_a_killed_run_s_daemon_is_reaped_and_a_stopped_one_leaves_nothing(oci_images, tmp_path) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _KILLED_RUN, str(tmp_path / "docker"),
-                          f"oci:{oci_images / 'layout'}:base", BASE_IMAGE],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
-    info = json.loads(out.stdout)
-    netns = os.stat(f"/proc/{info['containerd']}/ns/net").st_ino
-    assert os.path.exists(f"/proc/{info['pid']}")  # the killed run's container outlived it
-    d = DockerDaemon(tmp_path / "docker")
-    d.start()  # reaps what the killed run left, then serves with no container
+    reaper = subprocess.Popen([sys.executable, "-c", _UNDER_A_SUBREAPER, _KILLED_RUN, str(tmp_path / "docker"),
+                               f"oci:{oci_images / 'layout'}:base", BASE_IMAGE],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        client = d.client()
+        out = json.loads(reaper.stdout.readline())
+        assert out["returncode"] == -signal.SIGKILL, out["stderr"]
+        info = json.loads(out["stdout"])
+        netns = os.stat(f"/proc/{info['containerd']}/ns/net").st_ino
+        assert os.path.exists(f"/proc/{info['pid']}")  # the killed run's container outlived it
+        d = DockerDaemon(tmp_path / "docker")
+        d.start()  # reaps what the killed run left, then serves with no container
         try:
-            assert client.containers.list(all=True) == []
-            assert client.containers.run(BASE_IMAGE, "sleep infinity", detach=True).status
+            # Gone, not a zombie of the subreaper: the container's shim, its parent, outlived it.
+            assert not os.path.exists(f"/proc/{info['pid']}")
+            client = d.client()
+            try:
+                assert client.containers.list(all=True) == []
+                assert client.containers.run(BASE_IMAGE, "sleep infinity", detach=True).status
+            finally:
+                client.close()
         finally:
-            client.close()
+            d.stop()
+        assert not os.path.exists(f"/proc/{info['pid']}")
+        assert _traces(d, netns) == []
     finally:
-        d.stop()
-    assert not os.path.exists(f"/proc/{info['pid']}")
-    assert _traces(d, netns) == []
+        reaper.stdin.close()
+        reaper.wait(timeout=60)
+        reaper.stdout.close()

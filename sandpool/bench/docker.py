@@ -21,8 +21,9 @@ Nothing of it is shared with another container runtime on the machine:
 * containers under one cgroup parent, so what a killed run left is found and killed.
 
 :meth:`DockerDaemon.stop` removes every container, stops dockerd and containerd, kills any
-process left under the daemon's cgroup parent or naming its run directory, and removes the
-run directory and the cgroups: no container, mount, namespace or process outlives it.
+process left under the daemon's cgroup parent or naming its run directory (each container's
+processes before the shim that reaps them), and removes the run directory and the cgroups: no
+container, mount, namespace or process outlives it.
 :meth:`DockerDaemon.start` first does the same for a daemon a killed run left behind.
 """
 
@@ -37,6 +38,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +51,57 @@ __all__ = ["VERSION", "DockerDaemon"]
 VERSION = "1"
 _PATH = "/usr/sbin:/usr/bin:/sbin:/bin"
 _CGROUP = Path("/sys/fs/cgroup")
+#: Seconds a SIGKILLed process of the daemon may take to exit (a loaded machine is slow to).
+_KILL_TIMEOUT = 60.0
 
 
 def _cpuacct_v1() -> Path | None:
     """The cgroup v1 cpuacct hierarchy when it is mounted apart from cpu, else None."""
     p = _CGROUP / "cpuacct"
     return p if (p / "cpuacct.usage").exists() and not p.is_symlink() else None
+
+
+def _process(pid: int) -> tuple[str, str] | None:
+    """Process ``pid``'s (state letter, start time in clock ticks since boot), or None when
+    there is no such process (exited and reaped)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], fields[19]
+
+
+def _kill(find: Callable[[], set[int]], *, reaped: bool) -> None:
+    """SIGKILL the processes ``find`` returns until it returns none and each has exited, and
+    with ``reaped`` until each is gone from the process table too (its parent waited for it).
+
+    A process is known by its pid and start time, so a reused pid is never waited for. After
+    :data:`_KILL_TIMEOUT` seconds a zombie is left to its parent, which alone can reap it.
+
+    Raises:
+        BackendUnavailable: A process still ran :data:`_KILL_TIMEOUT` seconds after its SIGKILL.
+    """
+    deadline = time.monotonic() + _KILL_TIMEOUT
+    killed: dict[int, str] = {}
+    while True:
+        found = find()
+        for pid in found:
+            if (proc := _process(pid)) is not None:
+                killed.setdefault(pid, proc[1])
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        states = {pid: p[0] for pid, start in killed.items()
+                  if (p := _process(pid)) is not None and p[1] == start}
+        running = sorted(pid for pid, state in states.items() if state not in "ZX")
+        if not found and not running and not (reaped and states):
+            return
+        if time.monotonic() > deadline:
+            if not running:
+                return
+            raise errors.BackendUnavailable(
+                f"processes {running} of the Docker daemon still run {_KILL_TIMEOUT:.0f} s "
+                "after SIGKILL (stuck in the kernel); they keep its cgroups and run directory")
+        time.sleep(0.02)  # a kill or a reap by another process has no event to wait on
 
 
 class DockerDaemon:
@@ -111,8 +158,9 @@ class DockerDaemon:
         """Start containerd and dockerd; return once dockerd answers. Blocking.
 
         Raises:
-            BackendUnavailable: docker.io is not installed, or a daemon did not come up (the
-                message carries the end of its log).
+            BackendUnavailable: docker.io is not installed, a daemon did not come up (the
+                message carries the end of its log), or a process a killed run left would not
+                die.
         """
         for binary in ("dockerd", "containerd", "runc", "unshare", "nsenter"):
             if shutil.which(binary, path=_PATH) is None:
@@ -137,7 +185,11 @@ class DockerDaemon:
             raise
 
     def stop(self) -> None:
-        """Remove every container, stop both daemons, and leave nothing behind. Idempotent."""
+        """Remove every container, stop both daemons, and leave nothing behind. Idempotent.
+
+        Raises:
+            BackendUnavailable: A process of the daemon would not die (see :meth:`_reap`).
+        """
         try:
             if "dockerd" in self._procs and self._procs["dockerd"].poll() is None:
                 with contextlib.suppress(Exception), contextlib.closing(self.client(timeout=30)) as client:
@@ -162,33 +214,54 @@ class DockerDaemon:
         return [c / self.cgroup_parent.lstrip("/") for c in sorted(_CGROUP.iterdir())
                 if (c / self.cgroup_parent.lstrip("/")).is_dir()]
 
-    def _leftover_pids(self) -> set[int]:
-        """Processes of this daemon: naming its run directory (daemons, shims), or in its
-        containers' cgroups."""
-        pids: set[int] = set()
-        mark = str(self.run_dir).encode()
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit() and int(d.name) != os.getpid():
-                with contextlib.suppress(OSError):
-                    if mark in (d / "cmdline").read_bytes():
-                        pids.add(int(d.name))
+    def _pids(self, part: str) -> set[int]:
+        """This daemon's processes of one ``part``: ``"containers"`` (in its containers'
+        cgroups), ``"shims"`` (containerd's shims, the containers' parents), or ``"daemons"``
+        (dockerd, containerd, runc: the others naming its run directory or in the cgroup
+        parent itself, where the daemons count their CPU)."""
+        in_containers: set[int] = set()
+        in_parent: set[int] = set()
         for group in self._group_dirs():
             for procs in group.rglob("cgroup.procs"):
                 with contextlib.suppress(OSError, ValueError):
-                    pids |= {int(x) for x in procs.read_text().split()}
-        pids.discard(os.getpid())
-        return pids
+                    ids = {int(x) for x in procs.read_text().split()}
+                    (in_parent if procs.parent == group else in_containers).update(ids)
+        if part == "containers":
+            return in_containers - {os.getpid()}
+        named: set[int] = set()
+        shims: set[int] = set()
+        mark = str(self.run_dir).encode()
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                with contextlib.suppress(OSError):
+                    cmd = (d / "cmdline").read_bytes()
+                    if mark in cmd:
+                        shim = os.path.basename(cmd.split(b"\0")[0]).startswith(b"containerd-shim")
+                        (shims if shim else named).add(int(d.name))
+        found = shims if part == "shims" else (named | in_parent) - shims
+        return found - in_containers - {os.getpid()}
 
     def _reap(self) -> None:
-        """Kill what is left of a daemon on this run directory and remove its traces."""
-        for _ in range(50):
-            pids = self._leftover_pids()
-            if not pids:
-                break
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.1)  # the kernel reaps killed processes asynchronously
+        """Kill what is left of a daemon on this run directory and remove its traces.
+
+        The parts die in an order that leaves no orphan behind: the daemons first (nothing
+        starts a container after them), then the containers' processes, each waited for
+        until its shim, its parent, has reaped it, and the shims last. A process whose parent
+        dies before it goes to pid 1, and an init that reaps orphans on a timer would keep it
+        in the process table after :meth:`stop` returned.
+
+        Raises:
+            BackendUnavailable: A process still ran :data:`_KILL_TIMEOUT` seconds after its
+                SIGKILL (stuck in the kernel).
+        """
+        # A frozen process cannot die; runc freezes a container while it updates its devices.
+        freezer = _CGROUP / "freezer" / self.cgroup_parent.lstrip("/")
+        for state in freezer.rglob("freezer.state"):
+            with contextlib.suppress(OSError):
+                state.write_text("THAWED")
+        _kill(lambda: self._pids("daemons"), reaped=False)
+        _kill(lambda: self._pids("containers"), reaped=True)
+        _kill(lambda: self._pids("shims"), reaped=False)
         for group in self._group_dirs():  # deepest first: a cgroup must be empty to go
             for d in sorted((p for p in group.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
                 with contextlib.suppress(OSError):
