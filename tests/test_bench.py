@@ -24,7 +24,8 @@ def test_bench_runs_sandpool_and_docker_strategies_side_by_side(tmp_path, oci_im
                                       "--limit", "2", "--rollouts", "2", "--concurrency", "2",
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
-    for row in ("TTFC p50 (ms)", "TTFC p99 (ms)", "TTFC max (ms)", "exec round trip p50 (ms)",
+    for row in ("TTFC p50 (ms)", "TTFC p99 (ms)", "TTFC max (ms)", "claim part p50 (ms)",
+                "first command p50 (ms)", "exec round trip p50 (ms)",
                 "rollouts / min", "host CPU-s / rollout", "load avg 1m start/end"):
         assert row in result.output
     assert "reuse TTFC p50" in result.output and "x below docker-run's" in result.output
@@ -35,6 +36,10 @@ def test_bench_runs_sandpool_and_docker_strategies_side_by_side(tmp_path, oci_im
         assert r["outcomes"] == {"completed": 4}, (name, r["outcomes"])
         assert r["reward_mean"] == 0.5, name
         assert len(r["ttfc_samples"]) == 4 and r["round_trip"]["n"] == 4, name
+        # TTFC's parts: the claim's (before the first command is sent) and the command's own.
+        assert r["claim"]["n"] == r["first_command"]["n"] == 4, name
+        for part in ("claim", "first_command"):  # each is at most the TTFC it is part of
+            assert r[part]["p50_s"] <= r["ttfc"]["p50_s"] and r[part]["max_s"] <= r["ttfc"]["max_s"], name
         assert r["cpu_s"] > 0 and 0 < r["cpu_client_s"] <= r["cpu_s"], name
     assert report["results"]["docker-run"]["sandboxes_created"] == 4
     reuse = report["results"]["reuse"]

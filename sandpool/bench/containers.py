@@ -32,7 +32,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from sandpool.bench.workload import FIRST_COMMAND
+from sandpool.bench.workload import FIRST_COMMAND, Probes
 from sandpool.core.base import ResourceLimits
 from sandpool.core.metrics import Outcome, RolloutResult
 from sandpool.core.reset import SAFE_GIT
@@ -73,7 +73,7 @@ class _Run:
     def __init__(self, client: Any, mode: str, limits: ResourceLimits, grade_timeout: float) -> None:
         self.client, self.mode, self.limits, self.grade_timeout = client, mode, limits, grade_timeout
         self.results: list[RolloutResult] = []
-        self.round_trips: list[float] = []
+        self.probes = Probes()
         self.created = 0
         self._lock = threading.Lock()
 
@@ -94,13 +94,14 @@ class _Run:
         c, ttfc = None, None
         try:
             c = container.result() if isinstance(container, Future) else container
+            t0 = time.monotonic()
             first = c.exec_run(FIRST_COMMAND, workdir=task.workdir)
-            ttfc = time.monotonic() - t_claim
+            ttfc, t1 = time.monotonic() - t_claim, time.monotonic()
             if first.exit_code != 0:
                 raise RuntimeError(f"first command exited {first.exit_code}: {first.output[-300:]!r}")
-            t0 = time.monotonic()
             c.exec_run(FIRST_COMMAND, workdir=task.workdir)
-            self.round_trips.append(time.monotonic() - t0)
+            with self._lock:
+                self.probes.add(ttfc, t1 - t0, time.monotonic() - t1)
             c.exec_run("git status --short", workdir=task.workdir)  # what both policies run first
             policy = "oracle" if i % 2 == 0 else "noop"
             if policy == "oracle":
@@ -136,7 +137,7 @@ class _Run:
 
 def run_containers(client: Any, mode: str, tasks: list[Task], *, rollouts: int, concurrency: int,
                    limits: ResourceLimits = ResourceLimits(), grade_timeout: float = 300.0,
-                   ) -> tuple[list[RolloutResult], list[float], int, float]:
+                   ) -> tuple[list[RolloutResult], Probes, int, float]:
     """Run every task ``rollouts`` times in containers, ``concurrency`` at once; blocking.
 
     Lanes are laid out as sandpool's runner lays them out (the strategy's split of the
@@ -152,7 +153,7 @@ def run_containers(client: Any, mode: str, tasks: list[Task], *, rollouts: int, 
         grade_timeout: Seconds the test command may run.
 
     Returns:
-        ``(results, round trips in seconds, containers created, wall seconds)``.
+        ``(results, the workload's probes, containers created, wall seconds)``.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`MODES`.
@@ -195,4 +196,4 @@ def run_containers(client: Any, mode: str, tasks: list[Task], *, rollouts: int, 
                 f.result()
     finally:
         ahead.shutdown(wait=True)
-    return run.results, run.round_trips, run.created, time.monotonic() - t0
+    return run.results, run.probes, run.created, time.monotonic() - t0

@@ -34,9 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from sandpool.bench.report import BenchReport, StrategyResult, load_now
-from sandpool.bench.workload import FIRST_COMMAND
+from sandpool.bench.workload import FIRST_COMMAND, Probes
 from sandpool.core.errors import ConfigError
-from sandpool.core.metrics import TTFCStats
 from sandpool.core.task import Task
 
 __all__ = ["MODES", "ClusterHooks", "KubeOptions", "run_kubernetes", "scrape_apiserver"]
@@ -215,13 +214,14 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: _Monit
     strategy = {"pods": "cold", "warm": "warm", "reuse": "reuse"}[name]
     by_image = {t.image: t for t in tasks}
     images = list(by_image)
-    round_trips: list[float] = []
+    probes = Probes()
 
     async def episode(lease) -> float:
+        t0 = time.monotonic()
         await lease.exec(FIRST_COMMAND)
-        t = time.monotonic()
+        t1 = time.monotonic()
         await lease.exec(FIRST_COMMAND)
-        round_trips.append(time.monotonic() - t)
+        probes.add(lease.ttfc_s, t1 - t0, time.monotonic() - t1)
         if opts.think_s:
             await asyncio.sleep(opts.think_s)  # the policy thinking (model time)
         return float((await lease.exec("echo ok")).text == "ok\n")
@@ -317,7 +317,7 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: _Monit
         "apiserver requests by verb": delta,
     }
     return StrategyResult.from_results(
-        name, results, round_trip=TTFCStats.from_samples(round_trips),
+        name, results, probes,
         sandboxes_created=sum(c.created for c in counters), resets=sum(c.resets for c in counters),
         quarantines=sum(c.quarantines for c in counters), wall_s=wall,
         load=(load0, load_now()[0]), extra=extra)

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from sandpool.core.errors import BackendUnavailable
+from sandpool.bench.workload import Probes
 from sandpool.core.metrics import Report, RolloutResult, TTFCStats
 
 __all__ = ["BenchReport", "StrategyResult", "Target", "load_now"]
@@ -30,6 +31,8 @@ class StrategyResult(BaseModel):
         ttfc: TTFC statistics (seconds).
         ttfc_samples: Every rollout's TTFC (seconds), for the CDF.
         round_trip: Statistics of the first command re-run in the claimed sandbox (seconds).
+        claim / first_command: TTFC's two parts (seconds): from the claim request until the
+            first command is sent, and that command's own round trip.
         rollouts: Rollouts requested.
         outcomes: Rollouts by outcome (``completed``, ``infra_failed``, ...).
         reward_mean: Mean reward over scored rollouts.
@@ -50,6 +53,8 @@ class StrategyResult(BaseModel):
     ttfc: TTFCStats
     ttfc_samples: list[float] = Field(default_factory=list)
     round_trip: TTFCStats = Field(default_factory=TTFCStats)
+    claim: TTFCStats = Field(default_factory=TTFCStats)
+    first_command: TTFCStats = Field(default_factory=TTFCStats)
     rollouts: int = 0
     outcomes: dict[str, int] = Field(default_factory=dict)
     reward_mean: float | None = None
@@ -64,13 +69,19 @@ class StrategyResult(BaseModel):
     extra: dict[str, Any] = Field(default_factory=dict)
 
     @classmethod
-    def from_results(cls, name: str, results: list[RolloutResult], **kw: Any) -> StrategyResult:
-        """Build one from per-rollout results (TTFC, outcomes, reward) and the rest in ``kw``."""
+    def from_results(cls, name: str, results: list[RolloutResult], probes: Probes | None = None,
+                     **kw: Any) -> StrategyResult:
+        """Build one from per-rollout results (TTFC, outcomes, reward), the workload's
+        ``probes`` (round trip, TTFC's parts) and the rest in ``kw``."""
         ttfc = [r.ttfc_s for r in results if r.ttfc_s is not None]
         outcomes: dict[str, int] = {}
         for r in results:
             outcomes[r.outcome.value] = outcomes.get(r.outcome.value, 0) + 1
         scored = [r.reward for r in results if r.reward is not None]
+        if probes is not None:
+            kw |= {"round_trip": TTFCStats.from_samples(probes.round_trip),
+                   "claim": TTFCStats.from_samples(probes.claim),
+                   "first_command": TTFCStats.from_samples(probes.first)}
         return cls(name=name, ttfc=TTFCStats.from_samples(ttfc), ttfc_samples=ttfc,
                    rollouts=len(results), outcomes=outcomes,
                    reward_mean=statistics.fmean(scored) if scored else None, **kw)
@@ -164,6 +175,8 @@ class BenchReport(BaseModel):
             ("TTFC p50 (ms)", lambda s: _ms(s.ttfc.p50_s)),
             ("TTFC p99 (ms)", lambda s: _ms(s.ttfc.p99_s)),
             ("TTFC max (ms)", lambda s: _ms(s.ttfc.max_s)),
+            ("  claim part p50 (ms)", lambda s: _ms(s.claim.p50_s)),
+            ("  first command p50 (ms)", lambda s: _ms(s.first_command.p50_s)),
             ("exec round trip p50 (ms)", lambda s: _ms(s.round_trip.p50_s)),
             ("exec round trip max (ms)", lambda s: _ms(s.round_trip.max_s)),
             ("TTFC p50 / round trip", lambda s: "-" if (x := _ratio(s.ttfc.p50_s, s.round_trip.p50_s))

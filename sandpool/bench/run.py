@@ -24,10 +24,9 @@ from pydantic import BaseModel, Field, field_validator
 from sandpool.bench.containers import MODES, run_containers
 from sandpool.bench.cpu import CpuMeter
 from sandpool.bench.report import BenchReport, StrategyResult, load_now
-from sandpool.bench.workload import BenchTasks, Probed, load_bench_tasks, policies
+from sandpool.bench.workload import BenchTasks, Probed, Probes, load_bench_tasks, policies
 from sandpool.core.base import ResourceLimits
 from sandpool.core.errors import ConfigError
-from sandpool.core.metrics import TTFCStats
 
 __all__ = ["SANDPOOL_STRATEGIES", "BenchConfig", "run_local"]
 
@@ -83,17 +82,16 @@ async def _sandpool(name: str, bt: BenchTasks, cfg: BenchConfig, meter: CpuMeter
     from sandpool.core.backends.local import LocalBackend
     from sandpool.envs.runner import run_batch
 
-    round_trips: list[float] = []
+    probes = Probes()
     backend = LocalBackend(store=bt.store) if bt.store is not None else LocalBackend()
     load0, cpu0, dock0, own0 = load_now()[0], meter.read(), meter.read("docker"), _own_cpu()
-    report = await run_batch(bt.tasks, [Probed(p, round_trips) for p in policies()], backend,
+    report = await run_batch(bt.tasks, [Probed(p, probes) for p in policies()], backend,
                              rollouts_per_task=cfg.rollouts, concurrency=cfg.concurrency, strategy=name,
                              grade_timeout=cfg.grade_timeout)
     cpu1, dock1 = meter.read(), meter.read("docker")
     cpu = None if cpu0 is None or cpu1 is None else (cpu1 - cpu0) - ((dock1 or 0) - (dock0 or 0))
     return StrategyResult.from_results(
-        name, report.rollouts, round_trip=TTFCStats.from_samples(round_trips),
-        sandboxes_created=report.sandboxes_created, resets=report.resets,
+        name, report.rollouts, probes, sandboxes_created=report.sandboxes_created, resets=report.resets,
         quarantines=report.quarantines, wall_s=report.wall_time_s, cpu_s=cpu,
         cpu_client_s=_own_cpu() - own0, load=(load0, load_now()[0]), report=report)
 
@@ -102,14 +100,14 @@ async def _docker(mode: str, bt: BenchTasks, cfg: BenchConfig, daemon, meter: Cp
     load0, cpu0, own0 = load_now()[0], meter.read(), _own_cpu()
     client = daemon.client()
     try:
-        results, round_trips, created, wall = await asyncio.to_thread(
+        results, probes, created, wall = await asyncio.to_thread(
             run_containers, client, mode, bt.tasks, rollouts=cfg.rollouts, concurrency=cfg.concurrency,
             limits=ResourceLimits(), grade_timeout=cfg.grade_timeout)
     finally:
         client.close()
     cpu1 = meter.read()
     return StrategyResult.from_results(
-        mode, results, round_trip=TTFCStats.from_samples(round_trips), sandboxes_created=created,
+        mode, results, probes, sandboxes_created=created,
         wall_s=wall, cpu_s=None if cpu0 is None or cpu1 is None else cpu1 - cpu0,
         cpu_client_s=_own_cpu() - own0, load=(load0, load_now()[0]))
 

@@ -30,7 +30,7 @@ from sandpool.core.pool import Lease
 from sandpool.core.task import Task
 from sandpool.envs.policies import NoopPolicy, OraclePolicy, Policy
 
-__all__ = ["FIRST_COMMAND", "BenchTasks", "Probed", "load_bench_tasks", "oci_tasks", "policies"]
+__all__ = ["FIRST_COMMAND", "BenchTasks", "Probed", "Probes", "load_bench_tasks", "oci_tasks", "policies"]
 
 #: The first command of every rollout: bare, so its own work adds nothing to TTFC.
 FIRST_COMMAND = "true"
@@ -128,21 +128,48 @@ def policies() -> list[Policy]:
     return [OraclePolicy(), NoopPolicy()]
 
 
+class Probes:
+    """What steps 1 and 2 of the workload measure, one sample per rollout, in seconds.
+
+    TTFC is ``claim + first``: the claim's part (from the claim request until the first
+    command is sent) and the first command's own round trip.
+
+    Attributes:
+        claim: TTFC less the first command's round trip.
+        first: The first command's round trip.
+        round_trip: The second command's round trip (the physical limit of TTFC).
+    """
+
+    def __init__(self) -> None:
+        self.claim: list[float] = []
+        self.first: list[float] = []
+        self.round_trip: list[float] = []
+
+    def add(self, ttfc: float, first: float, round_trip: float) -> None:
+        """Record one rollout's TTFC, first command and second command (seconds)."""
+        first = min(first, ttfc)  # timed around the call: never more than the TTFC it ends
+        self.claim.append(ttfc - first)
+        self.first.append(first)
+        self.round_trip.append(round_trip)
+
+
 class Probed(Policy):
     """A policy whose episode starts with steps 1 and 2 of the workload (see the module docstring).
 
     Args:
         inner: The policy that acts after them.
-        round_trips: Receives the second command's round trip, in seconds.
+        probes: Receives each rollout's samples.
     """
 
-    def __init__(self, inner: Policy, round_trips: list[float]) -> None:
-        self.inner, self.round_trips = inner, round_trips
+    def __init__(self, inner: Policy, probes: Probes) -> None:
+        self.inner, self.probes = inner, probes
         self.name = inner.name
 
     async def act(self, lease: Lease, task: Task) -> None:
-        await lease.exec(FIRST_COMMAND, timeout=60)
         t0 = time.monotonic()
         await lease.exec(FIRST_COMMAND, timeout=60)
-        self.round_trips.append(time.monotonic() - t0)
+        t1 = time.monotonic()
+        await lease.exec(FIRST_COMMAND, timeout=60)
+        assert lease.ttfc_s is not None
+        self.probes.add(lease.ttfc_s, t1 - t0, time.monotonic() - t1)
         await self.inner.act(lease, task)
