@@ -13,10 +13,13 @@ and every figure is printed beside its baseline from the same run:
   same on a large image (the task's image plus ``--large-image-mb`` of files in its repo)
   shows the cost follows the change, not the image.
 * **suspend / resume**: the cgroup freezer, against a bare exec round trip.
+* **an OCI image** (``--oci``, the SWE-bench-shaped test image): fork vs replay again, where
+  a snapshot is the change set against the image and each child gets it replayed into its
+  own root (a copy of the bytes changed per child, not a stacked layer).
 
 The load average is printed with the figures (2 cores shared: compare ratios, not ms).
 
-    .venv/bin/python bench/fork.py [--repeats 10] [--sizes 1,100,1000] [--large-image-mb 1000]
+    .venv/bin/python bench/fork.py [--repeats 10] [--sizes 1,100,1000] [--large-image-mb 1000] [--oci]
 """
 
 from __future__ import annotations
@@ -142,6 +145,7 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--sizes", default="1,100,1000", help="MB changed, comma-separated")
     ap.add_argument("--large-image-mb", type=int, default=1000, help="MB added to the large image")
+    ap.add_argument("--oci", action="store_true", help="also fork vs replay on the OCI test image")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
     task = load_tasks(await abuild_default_pack())[0]
@@ -180,6 +184,21 @@ async def main() -> None:
             print(_row(f"{mb} MB: snapshot, the change copied and hashed", r["cold"]))
             print(_row(f"{mb} MB: claim restored from it (stack + verify)", r["restore"]))
     print(f"  ({_load()})")
+    if args.oci:
+        from sandpool.bench.workload import oci_tasks
+        from sandpool.core.images import ImageStore
+
+        store = ImageStore()
+        (oci,) = await asyncio.to_thread(oci_tasks, 1, store)
+        async with SandboxPool(LocalBackend(store=store), "reuse", limits) as pool:
+            await pool.prepare([oci] * 4, 4)
+            print(f"\nfork vs a fresh claim + replaying the prefix on an OCI image ({oci.image})")
+            for big in [s for s in sizes if s <= 100]:
+                r = await fork_vs_replay(pool, oci, 20, big, args.repeats)
+                print(_row(f"claim + replay 20 steps, {big} MB changed", r["replay"]))
+                print(_row(f"fork of it (first fork: {r['first_fork'] * 1000:.0f} ms)", r["fork"],
+                           _ms(r["replay"])))
+        print(f"  ({_load()})")
 
 
 def _du(image: str) -> int:
