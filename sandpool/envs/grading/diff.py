@@ -184,11 +184,12 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
     files = list(dict.fromkeys([*plan.restore, *verdict.reset]))
     argv = _pytest_argv(plan.command) if plan.pytest else None
     isolated = argv is not None
+    tests = counted_as_tests(task, plan)
     if argv is not None:
         args, cwd_on_path, assigned = argv
         job = {"workdir": task.workdir, "args": args, "cwd_on_path": cwd_on_path, "key": f"{d}/key",
                "report": f"{d}/report.jsonl", "plugin": module, "env_file": f"{d}/env.all",
-               "hashes": f"{d}/tests.sha256",
+               "hashes": f"{d}/tests.sha256", "trusted": sorted(tests),
                "assigned": assigned}
         await sandbox.write_file(f"{d}/runner.py", (_SIDE / "runner.py").read_bytes(), mode=0o444)
         await sandbox.write_file(f"{d}/job.json", json.dumps(job).encode(), mode=0o444)
@@ -199,7 +200,7 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
         await sandbox.write_file(f"{d}/patch.diff", verdict.patch.encode("utf-8", "surrogateescape"))
     if plan.test_patch:
         await sandbox.write_file(f"{d}/test.patch", plan.test_patch.encode())
-    test_dirs = sorted(t for t in counted_as_tests(task, plan) if t.endswith("/"))
+    test_dirs = sorted(t for t in tests if t.endswith("/"))
     prep = await sandbox.exec(_prepare_script(task, plan, d, patch=bool(verdict.patch), files=files,
                                               test_dirs=test_dirs),
                               timeout=300.0, cwd="/", max_output=1 << 20)

@@ -52,6 +52,9 @@ class SignedReport:
         passed_calls: Call-phase passes (what pytest's closing line counts as ``passed``).
         changed: pytest internals replaced during the session.
         rewritten: Node ids whose report says passed but carries a failure representation.
+        xfail_by_code: ``(node id, where)`` of each expected failure that code other than the
+            test's raised (``pytest.xfail()`` called by the code under test); such a test's
+            status is FAILED, not XFAIL.
     """
 
     present: bool = False
@@ -63,6 +66,7 @@ class SignedReport:
     passed_calls: int = 0
     changed: list[str] = field(default_factory=list)
     rewritten: list[str] = field(default_factory=list)
+    xfail_by_code: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _merge(old: str | None, new: str) -> str:
@@ -118,6 +122,9 @@ def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
             nodeid, when, outcome, xfail = rec["nodeid"], rec["when"], rec["outcome"], rec["xfail"]
             if outcome == "failed":
                 status = "FAILED" if when == "call" else "ERROR"
+            elif outcome == "skipped" and xfail and rec.get("xfail_by"):
+                status = "FAILED"  # an xfail the test did not declare: its failure stands
+                rep.xfail_by_code.append((nodeid, str(rec["xfail_by"])))
             elif outcome == "skipped":
                 status = "XFAIL" if xfail else "SKIPPED"
             elif outcome != "passed":
@@ -172,6 +179,9 @@ def cross_check(rep: SignedReport, *, log: str, log_status: dict[str, str], exit
                         f"exited {exit_code}")
     if rep.changed:
         evidence.append(f"pytest's report machinery was replaced during the run: {', '.join(rep.changed)}")
+    for nodeid, where in rep.xfail_by_code[:3]:
+        evidence.append(f"{nodeid} was turned into an expected failure by code that is not the "
+                        f"test's: pytest.xfail() raised from {where}")
     if rep.rewritten:
         evidence.append(f"{len(rep.rewritten)} test report(s) were rewritten to passed while holding a "
                         f"failure, e.g. {rep.rewritten[0]}")

@@ -36,7 +36,9 @@ module, ``conftest.py`` and Python file under the tests' directories, taken befo
 in this directory), ``env_file`` (the harness's environment, NUL-separated: its ``PYTHON*``
 variables are restored in ``os.environ`` for the tests' own child processes, and its
 ``PYTHONPATH`` is added to ``sys.path`` as said above), ``assigned`` (``VAR=value`` words
-before the harness's pytest command, treated the same way).
+before the harness's pytest command, treated the same way), ``trusted`` (the files that count
+as the task's tests, repo-relative, a directory ending in ``/``: the code compiled from them,
+checked against its hash, is the only code whose ``pytest.xfail()`` makes an expected failure).
 """
 
 import ast
@@ -88,10 +90,31 @@ def is_test_file(name):
     return name in TEST_NAMES or (name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")))
 
 
-def verify_test_sources(rewrite, plugin, job, workdir):
+def is_trusted_path(real, workdir, trusted):
+    """Whether ``real`` (a real path) is one of the task's test files (``trusted``: repo-relative
+    files, and directories ending in ``/``) or a conftest.py, all reset to the base commit."""
+    if not in_repo(real, workdir):
+        return False
+    rel = os.path.relpath(real, workdir).replace(os.sep, "/")
+    return (os.path.basename(rel) == "conftest.py" or rel in trusted
+            or any(t.endswith("/") and rel.startswith(t) for t in trusted))
+
+
+def trust(code, trusted_code):
+    """Record ``code`` and every code object nested in it as the tests' own."""
+    todo = [code]
+    while todo:
+        c = todo.pop()
+        trusted_code[id(c)] = c
+        todo.extend(k for k in c.co_consts if isinstance(k, type(c)))
+
+
+def verify_test_sources(rewrite, plugin, job, workdir, trusted_code):
     """Compile each test module and conftest.py from bytes checked against their hashes,
     taken before any of the repo's code ran: code under test that rewrites a later test
-    module on disk is found, and pytest compiles what was checked, not a second read."""
+    module on disk is found, and pytest compiles what was checked, not a second read.
+    What is compiled from the task's test files, checked, goes into ``trusted_code``."""
+    trusted = frozenset(job.get("trusted") or ())
     hashes = {}
     try:
         with open(job["hashes"]) as f:
@@ -110,27 +133,36 @@ def verify_test_sources(rewrite, plugin, job, workdir):
             data = f.read()
         real = os.path.realpath(path)
         want = hashes.get(real)
-        if want is not None and hashlib.sha256(data).hexdigest() != want:
+        checked = want is not None and hashlib.sha256(data).hexdigest() == want
+        if want is not None and not checked:
             plugin.tampered("test module %s changed on disk during the run" % path)
         elif want is None and in_repo(real, workdir) and is_test_file(os.path.basename(real)):
             plugin.tampered("test module %s appeared during the run" % path)
         if not own:
-            return original(fn, config)
-        stat = os.stat(path)
-        tree = ast.parse(data, filename=path)
-        rewrite.rewrite_asserts(tree, data, path, config)
-        return stat, compile(tree, path, "exec", dont_inherit=True)
+            out = original(fn, config)
+        else:
+            stat = os.stat(path)
+            tree = ast.parse(data, filename=path)
+            rewrite.rewrite_asserts(tree, data, path, config)
+            out = stat, compile(tree, path, "exec", dont_inherit=True)
+        if checked and out is not None and is_trusted_path(real, workdir, trusted):
+            trust(out[1], trusted_code)
+        return out
 
     rewrite._rewrite_test = _rewrite_test
-    verify_module_sources(hashes, plugin)
+    verify_module_sources(hashes, plugin, lambda path: is_trusted_path(path, workdir, trusted),
+                          trusted_code)
 
 
-def verify_module_sources(hashes, plugin):
+def verify_module_sources(hashes, plugin, is_trusted, trusted_code):
     """The same check for modules pytest does not rewrite (the tests' helpers and data
-    modules): their source is checked as Python reads it, and their bytecode never read."""
+    modules): their source is checked as Python reads it, and their bytecode never read;
+    what is compiled from the task's test files goes into ``trusted_code``."""
     from importlib import machinery, util
 
     original = machinery.SourceFileLoader.get_data
+    to_code = machinery.SourceFileLoader.source_to_code
+    verified = set()  # real paths whose source was read and matched its hash
 
     def get_data(self, path):
         if path.endswith(".pyc"):
@@ -142,12 +174,23 @@ def verify_module_sources(hashes, plugin):
                 raise OSError("no bytecode for %s" % source)
             return original(self, path)
         data = original(self, path)
-        want = hashes.get(os.path.realpath(path))
+        real = os.path.realpath(path)
+        want = hashes.get(real)
         if want is not None and hashlib.sha256(data).hexdigest() != want:
             plugin.tampered("test source %s changed on disk during the run" % path)
+        elif want is not None:
+            verified.add(real)
         return data
 
+    def source_to_code(self, data, path, *args, **kwargs):
+        code = to_code(self, data, path, *args, **kwargs)
+        real = os.path.realpath(path) if isinstance(path, str) else None
+        if real in verified and is_trusted(real):
+            trust(code, trusted_code)
+        return code
+
     machinery.SourceFileLoader.get_data = get_data
+    machinery.SourceFileLoader.source_to_code = source_to_code
 
 
 def main(argv):
@@ -175,13 +218,14 @@ def main(argv):
     with open(job["key"], "rb") as f:
         key = f.read()
     os.unlink(job["key"])
-    plugin.arm(key, job["report"])
+    trusted_code = {}
+    plugin.arm(key, job["report"], trusted_code)
     del key
     # pytest reads a cached rewritten module when its mtime and size match the source: a
     # planted one would replace a test module. Always rewrite from the source instead.
     if hasattr(rewrite, "_read_pyc"):
         rewrite._read_pyc = lambda *args, **kwargs: None
-    verify_test_sources(rewrite, plugin, job, workdir)
+    verify_test_sources(rewrite, plugin, job, workdir, trusted_code)
     plugin.snapshot()
     sys.stdout.write("%s python %s pytest %s\n" % (STARTED, sys.version.split()[0], pytest.__version__))
     sys.stdout.flush()

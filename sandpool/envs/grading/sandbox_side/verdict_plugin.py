@@ -47,10 +47,20 @@ def _open():
 _STATE = _open()
 
 
-def arm(key, report_path):
-    """Start the report at ``report_path`` under ``key`` (the isolated runner's way in)."""
-    global _STATE
+#: Code objects compiled from the task's test files, by id (None: not known, see _trusted).
+_TRUSTED_CODE = None
+
+
+def arm(key, report_path, trusted_code=None):
+    """Start the report at ``report_path`` under ``key`` (the isolated runner's way in).
+
+    ``trusted_code``: a dict (id -> code object) the runner fills with every code object it
+    compiles from the task's test files, conftest.py included; an imperative xfail is the
+    test's own only when raised from one of them.
+    """
+    global _STATE, _TRUSTED_CODE
     _STATE = _state(key, report_path)
+    _TRUSTED_CODE = trusted_code
 
 
 _MACHINERY = ("pytest", "_pytest.python", "_pytest.runner", "_pytest.reports", "_pytest.main",
@@ -201,12 +211,58 @@ def pytest_collection_finish(session):
                "ids": [item.nodeid for item in session.items]})
 
 
+_XFAIL_BY = {}  # node id -> where code that is not the test's raised its imperative xfail
+
+
+def _pytest_dirs():
+    import _pytest
+    import pluggy
+    return tuple(os.path.dirname(m.__file__) + os.sep for m in (_pytest, pluggy))
+
+
+def _trusted(code):
+    if _TRUSTED_CODE is not None:
+        return _TRUSTED_CODE.get(id(code)) is code
+    # Graded in place (no isolated runner): the test files by name only.
+    name = os.path.basename(code.co_filename)
+    return name == "conftest.py" or (name.endswith(".py") and (name.startswith("test_")
+                                                               or name.endswith("_test.py")))
+
+
+def pytest_runtest_makereport(item, call):
+    # An XFAIL counts as a pass (as SWE-bench counts it): only the test may decide that its
+    # outcome is an expected failure, by its xfail mark or by calling pytest.xfail() itself.
+    # Code under test that raises xfail's exception turns any failure into such a "pass".
+    excinfo = call.excinfo
+    if _STATE is None or not _STATE[2] or excinfo is None:
+        return None
+    try:
+        from _pytest.outcomes import XFailed
+    except ImportError:
+        return None
+    if not isinstance(excinfo.value, XFailed):
+        return None
+    skip = _pytest_dirs()
+    origin, tb = None, excinfo.tb
+    while tb is not None:  # the deepest frame that is not pytest's or pluggy's raised it
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(skip):
+            origin = code
+        tb = tb.tb_next
+    if origin is not None and not _trusted(origin):
+        _XFAIL_BY[item.nodeid] = "%s:%s" % (origin.co_filename, origin.co_name)
+    return None
+
+
 def pytest_runtest_logreport(report):
     if _STATE is None or not _STATE[2]:
         return
-    _emit({"ev": "test", "nodeid": report.nodeid, "when": report.when,
-           "outcome": report.outcome, "xfail": hasattr(report, "wasxfail"),
-           "longrepr": report.longrepr is not None})
+    record = {"ev": "test", "nodeid": report.nodeid, "when": report.when,
+              "outcome": report.outcome, "xfail": hasattr(report, "wasxfail"),
+              "longrepr": report.longrepr is not None}
+    if record["xfail"] and report.nodeid in _XFAIL_BY:
+        record["xfail_by"] = _XFAIL_BY[report.nodeid]
+    _emit(record)
 
 
 def pytest_sessionfinish(session, exitstatus):

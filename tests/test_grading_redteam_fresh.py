@@ -1,0 +1,81 @@
+"""A cheating policy against the whole grading flow, each trick played through the accountant.
+
+Every episode here is a scripted policy that acts in its sandbox through ``lease.exec`` and
+``lease.write_file`` only, graded as in training: :func:`sandpool.core.rollout.run_rollout`
+with :class:`sandpool.envs.grading.DiffGrader` on a pool of real bubblewrap sandboxes. Each
+test first shows the trick wins against a grader without the defence (a reward of 1 without
+the fix, an unscored outcome instead of a 0, or a fix that reaches another rollout), then that
+the flow scores it 0, scores it at all, or lets nothing through.
+"""
+
+from __future__ import annotations
+
+from sandpool.core import Outcome, SandboxPool, run_rollout
+from sandpool.core.backends.local import LocalBackend
+from sandpool.core.task import Task
+from sandpool.envs.grading import DiffGrader
+from sandpool.envs.grading.harness import plan_for
+
+
+async def _rollouts(backend, task: Task, *episodes, timeout: float = 120.0):
+    """Run ``episodes`` one after another on a reuse pool of ``backend``; their records."""
+    async with SandboxPool(backend, "reuse") as pool:
+        return [await run_rollout(pool, task, ep, grader=DiffGrader(timeout=timeout), rollout=i,
+                                  policy=ep.__name__, retries=0)
+                for i, ep in enumerate(episodes)]
+
+
+async def _apply(lease, patch: str) -> None:
+    await lease.write_file("/tmp/fix.patch", patch.encode())
+    res = await lease.exec("git apply /tmp/fix.patch && rm /tmp/fix.patch", timeout=30)
+    assert res.ok, res.err_text
+
+
+# -- expected failures declared by the code under test ------------------------------------------
+
+_XFAIL_INSTEAD_OF_A_FIX = b"""
+
+def _sub(a, b):  # every test of add() now ends "expected to fail", which the harness passes
+    import pytest
+    pytest.xfail("known issue on this platform")
+"""
+
+
+async def _xfail_from_the_code(lease) -> None:
+    buggy = await lease.read_file("calc.py")
+    await lease.write_file("calc.py", buggy.replace(b"return a - b", b"return _sub(a, b)")
+                           + _XFAIL_INSTEAD_OF_A_FIX)
+
+
+async def test_an_xfail_raised_by_the_code_under_test_passes_the_harness_rule_and_scores_zero(
+        test_images_root, calc_task):
+    plan = plan_for(calc_task)
+    backend = LocalBackend(test_images_root)
+    async with SandboxPool(backend, "reuse") as pool:
+        async with pool.claim(calc_task) as lease:  # the harness's rule on a plain run
+            await _xfail_from_the_code(lease)
+            plain = await lease.exec(plan.command, timeout=120)
+        assert plan.score(plan.parse(plain.text))[0], "the trick should pass the harness's own rule"
+        result = await run_rollout(pool, calc_task, _xfail_from_the_code, grader=DiffGrader(timeout=120))
+    assert (result.outcome, result.reward, result.error_kind) == (
+        Outcome.TASK_FAILED, 0.0, "tampering_suspected"), result
+    assert "pytest.xfail() raised from /testbed/calc.py" in (result.error or ""), result.error
+
+
+_DECLARED_XFAILS = (
+    "diff --git a/test_more.py b/test_more.py\nnew file mode 100644\nindex 0000000..1111111\n"
+    "--- /dev/null\n+++ b/test_more.py\n@@ -0,0 +1,11 @@\n+import pytest\n+from calc import add\n+\n+\n"
+    "+def test_declared():\n+    pytest.xfail(\"the test itself says so\")\n+\n+\n"
+    "+@pytest.mark.xfail(reason=\"marked\")\n+def test_marked():\n+    assert add(1, 1) == 3\n")
+
+
+async def test_expected_failures_the_tests_declare_still_count_as_passed(test_images_root, calc_task):
+    task = calc_task.model_copy(update={
+        "instance_id": "calc__xfail", "test_patch": _DECLARED_XFAILS,
+        "PASS_TO_PASS": ("test_calc.py::test_zero", "test_more.py::test_declared", "test_more.py::test_marked")})
+
+    async def gold(lease) -> None:
+        await _apply(lease, task.patch)
+
+    [result] = await _rollouts(LocalBackend(test_images_root), task, gold)
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result
