@@ -10,16 +10,20 @@ the flow scores it 0, scores it at all, or lets nothing through.
 
 from __future__ import annotations
 
-from sandpool.core import Outcome, SandboxPool, run_rollout
+from pathlib import Path
+
+from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, run_rollout
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.task import Task
 from sandpool.envs.grading import DiffGrader
 from sandpool.envs.grading.harness import plan_for
 
 
-async def _rollouts(backend, task: Task, *episodes, timeout: float = 120.0):
-    """Run ``episodes`` one after another on a reuse pool of ``backend``; their records."""
-    async with SandboxPool(backend, "reuse") as pool:
+async def _rollouts(backend, task: Task, *episodes, timeout: float = 120.0, one_sandbox: bool = False):
+    """Run ``episodes`` one after another on a reuse pool of ``backend`` (``one_sandbox``: all in
+    the same sandbox, reset in place between them); their records."""
+    limits = PoolLimits(max_live=1) if one_sandbox else PoolLimits()
+    async with SandboxPool(backend, "reuse", limits) as pool:
         return [await run_rollout(pool, task, ep, grader=DiffGrader(timeout=timeout), rollout=i,
                                   policy=ep.__name__, retries=0)
                 for i, ep in enumerate(episodes)]
@@ -79,3 +83,43 @@ async def test_expected_failures_the_tests_declare_still_count_as_passed(test_im
 
     [result] = await _rollouts(LocalBackend(test_images_root), task, gold)
     assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result
+
+
+# -- the agent moved into the policy's own budget ---------------------------------------------
+
+# Fills the memory budget of the group the commands run in with shared memory, which no
+# process owns: the kernel's OOM killer then picks the biggest process in that group.
+_FILL_THE_BUDGET = "dd if=/dev/zero of=/dev/shm/fill bs=1M count=400 2>/dev/null; echo filled"
+
+
+def _agent_pid(sb) -> int:
+    children = Path(f"/proc/{sb.pid}/task/{sb.pid}/children").read_text().split()
+    assert len(children) == 1, children
+    return int(children[0])
+
+
+async def test_an_agent_in_the_policys_cgroup_dies_unscored_and_the_policy_cannot_put_it_there(
+        test_images_root, calc_task):
+    backend = LocalBackend(test_images_root, limits=ResourceLimits(memory_bytes=128 * 2**20))
+    work = [Path(f"/sys/fs/cgroup/{c}/sandpool/{backend.run_id}") for c in ("pids", "memory")]
+
+    async def moved_then_filled(lease) -> None:
+        # What a command could do while the work group's cgroup.procs files were bound into
+        # the sandbox, writable by the agent's uid (which the policy's commands share).
+        for group in work:
+            (group / lease.sandbox.id / "work" / "cgroup.procs").write_text(str(_agent_pid(lease.sandbox)))
+        await lease.exec(_FILL_THE_BUDGET, timeout=120)
+
+    async def move_then_fill(lease) -> None:
+        found = await lease.exec("find / -xdev -name cgroup.procs 2>/dev/null; ls /opt/sandpool; "
+                                 "for f in /sys/fs/cgroup/*/cgroup.procs /opt/sandpool/work-cgroup/*; "
+                                 "do echo 1 > $f; done; grep -e memory -e pids /proc/1/cgroup",
+                                 timeout=60)
+        assert "cgroup.procs" not in found.text and ":/work" not in found.text, found.text
+        await lease.exec(_FILL_THE_BUDGET, timeout=120)
+
+    without, with_ = await _rollouts(backend, calc_task, moved_then_filled, move_then_fill)
+    assert (without.outcome, without.reward, without.error_kind) == (
+        Outcome.INFRA_FAILED, None, "sandbox_died"), without
+    assert with_.outcome is Outcome.TASK_FAILED and with_.reward == 0.0, with_
+

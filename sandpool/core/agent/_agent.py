@@ -260,14 +260,54 @@ def _zombie(pid):
         return True  # gone
 
 
-def _in_work_cgroup(argv):
-    # Each command joins the work cgroup (the policy's pid and memory budget) before it runs,
-    # so everything it forks is counted there and never against the agent's own budget.
-    d = os.environ.get("SANDPOOL_WORK_CGROUP")
-    if not d or not os.path.isdir(d):
-        return argv
-    join = 'for f in "$0"/*; do echo $$ > "$f" || exit 125; done; exec "$@"'
-    return ["/bin/sh", "-c", join, d, *argv]
+#: The work cgroup's ``cgroup.procs`` files, opened by the host and inherited (see _take_work_fds).
+_WORK_FDS = ()
+#: Held at this pipe until the agent has moved it, the command then replaces the shell.
+_HELD = 'read -r go && [ "$go" = go ] || exit 125; exec "$@" </dev/null'
+
+
+def _take_work_fds():
+    """Take the descriptors of the work cgroup's ``cgroup.procs`` files that the host opened
+    and passed in (``SANDPOOL_WORK_CGROUP_FDS``), keeping them from every child.
+
+    Only the agent can move a process between cgroups: no such file is visible in the
+    sandbox, and these descriptors (opened by the host, so the kernel's permission check is
+    the host's) never reach a command. The policy's processes, which run as the agent's uid,
+    cannot move the agent into their own budget, where their OOM kill or pid limit would
+    take it down without evidence in its group.
+    """
+    global _WORK_FDS
+    names = os.environ.pop("SANDPOOL_WORK_CGROUP_FDS", "").split()
+    fds = tuple(int(n) for n in names)
+    for fd in fds:
+        os.set_inheritable(fd, False)
+    _WORK_FDS = fds
+
+
+def _popen(argv, **kwargs):
+    """Start ``argv`` as a command, in the work cgroup (the policy's pid and memory budget)
+    before it runs, so everything it forks is counted there and never against the agent's
+    own budget: the child waits at a pipe until the agent has written its pid into each
+    work ``cgroup.procs``. ``stdin`` is ``/dev/null``. Raises OSError when it cannot be
+    started or moved (the child is then killed)."""
+    if not _WORK_FDS:
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, **kwargs)
+    proc = subprocess.Popen(["/bin/sh", "-c", _HELD, "sh", *argv], stdin=subprocess.PIPE, **kwargs)
+    try:
+        for fd in _WORK_FDS:
+            os.write(fd, b"%d" % proc.pid)
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+    except OSError as exc:
+        proc.kill()
+        proc.wait()
+        why = "cannot move it into the sandbox's work cgroup: %s" % exc.strerror
+        raise _NotMoved(exc.errno, why) from None
+    return proc
+
+
+class _NotMoved(OSError):
+    """A command could not join the work cgroup (exit status 125, as a wrapper's refusal)."""
 
 
 def _exec(req):
@@ -286,11 +326,10 @@ def _exec(req):
     older = set(_others())
     try:
         with _spawn_lock:
-            proc = subprocess.Popen(
-                _in_work_cgroup(argv),
+            proc = _popen(
+                argv,
                 cwd=req.get("cwd") or None,
                 env=env,
-                stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
@@ -300,6 +339,7 @@ def _exec(req):
         # A missing program (127), or an argument no program can receive, such as one with a
         # NUL byte (126): the caller's command is at fault, so it gets a result, not an error.
         code, why = (127, exc.strerror) if isinstance(exc, OSError) else (126, str(exc))
+        code = 125 if isinstance(exc, _NotMoved) else code
         if isinstance(exc, ValueError) and "null" in why:
             why = "an argument, cwd or environment entry contains a NUL byte"
         name = argv[0] if argv else ""
@@ -628,9 +668,9 @@ def _service(req):
     # Without a log, the output goes to the agent's own stderr (the host's file, not the sandbox's).
     log = open(req["log"], "ab") if req.get("log") else None
     try:
-        proc = subprocess.Popen(_in_work_cgroup(req["argv"]), cwd=req.get("cwd") or None, env=env,
-                                stdin=subprocess.DEVNULL, stdout=log or sys.stderr.fileno(),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = _popen(req["argv"], cwd=req.get("cwd") or None, env=env,
+                      stdout=log or sys.stderr.fileno(), stderr=subprocess.STDOUT,
+                      start_new_session=True)
     finally:
         if log is not None:
             log.close()
@@ -840,6 +880,7 @@ def _protect():
 
 
 def main():
+    _take_work_fds()
     try:
         _protect()
     except (ImportError, AttributeError, OSError) as exc:  # fail closed: no unprotected channel

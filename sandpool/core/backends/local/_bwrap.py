@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from sandpool.core.service import ServiceSpec
 
 __all__ = ["AGENT", "AGENT_IN_SANDBOX", "IMAGE_IN_SANDBOX", "SCRATCH", "SERVICE_DIR",
-           "WORK_CGROUP_IN_SANDBOX", "bwrap_argv", "write_etc"]
+           "bwrap_argv", "write_etc"]
 
 #: The service's own writable directory inside the sandbox (a host directory per sandbox,
 #: ``LocalSandbox.service_dir``); it is its working directory.
@@ -25,13 +25,12 @@ SERVICE_DIR = "/run/sandpool-service"
 SCRATCH = ("/tmp", "/dev/shm", "/dev/mqueue")
 AGENT = AGENT_PATH
 AGENT_IN_SANDBOX = "/opt/sandpool/agent.py"
-WORK_CGROUP_IN_SANDBOX = "/opt/sandpool/work-cgroup"
 IMAGE_IN_SANDBOX = "/opt/sandpool/image"
 SANDBOX_UID = _idmap.SANDBOX_UID
 
 
 def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, merged: Path,
-           tmp: Path | None, work_procs: Sequence[str] = (), service: ServiceSpec | None = None,
+           tmp: Path | None, work_fds: Sequence[int] = (), service: ServiceSpec | None = None,
            service_dir: Path | None = None) -> list[str]:
     """The bubblewrap argv of a sandbox of image directory ``img`` (see the package docstring).
 
@@ -42,7 +41,8 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
         etc: The run's directory of ``passwd``, ``group`` and ``hosts`` (:func:`write_etc`).
         merged: The repo's overlay, bound at ``img.workdir``.
         tmp: The host directory that becomes ``/tmp`` (on the quota filesystem), else a tmpfs.
-        work_procs: The work cgroup's ``cgroup.procs`` files the agent moves commands into.
+        work_fds: Descriptors of the work cgroup's ``cgroup.procs`` files, opened by the host
+            and inherited by the agent, which moves its commands there through them only.
         service: The backend's service, whose binds are added with ``service_dir`` at
             :data:`SERVICE_DIR`.
         service_dir: The host directory of the sandbox's service.
@@ -90,12 +90,11 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
         for host, dest in service.binds:
             argv += ["--ro-bind", host, dest]
         argv += ["--bind", str(service_dir), SERVICE_DIR]
-    # The agent puts each command into the work cgroup (its pid and memory budget),
-    # through these files only: the policy cannot see or change any limit.
-    for i, procs in enumerate(work_procs):
-        argv += ["--bind", procs, f"{WORK_CGROUP_IN_SANDBOX}/{i}"]
-    if work_procs:
-        argv += ["--setenv", "SANDPOOL_WORK_CGROUP", WORK_CGROUP_IN_SANDBOX]
+    # The agent puts each command into the work cgroup (its pid and memory budget) through
+    # descriptors the host opened: no cgroup file is visible inside, so the policy can neither
+    # see a limit nor move a process (the agent's included) from one group to another.
+    if work_fds:
+        argv += ["--setenv", "SANDPOOL_WORK_CGROUP_FDS", " ".join(map(str, work_fds))]
     argv += [
         "--setenv", "PATH", f"{venv_bin}:/usr/local/bin:/usr/bin:/bin",
         "--setenv", "VIRTUAL_ENV", img.venv,

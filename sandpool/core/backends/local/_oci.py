@@ -107,9 +107,9 @@ def skeleton(run_dir: Path) -> Path:
     if ready.exists():
         return skel
     sp = skel / ".sandpool"
-    for d in (sp / "usr", sp / "python", sp / "work-cgroup", sp / "image"):
+    for d in (sp / "usr", sp / "python", sp / "image"):
         d.mkdir(parents=True, exist_ok=True)
-    marks = [sp / "agent.py", sp / "work-cgroup" / "0", sp / "work-cgroup" / "1"]
+    marks = [sp / "agent.py"]
     for f in marks:
         f.touch()
     # Mount points bubblewrap needs, so it never creates them in the upper layer (which
@@ -117,7 +117,7 @@ def skeleton(run_dir: Path) -> Path:
     tops = [skel / d for d in ("proc", "dev", "tmp")]
     for d in tops:
         d.mkdir(exist_ok=True)
-    for p in (skel, sp, sp / "usr", sp / "python", sp / "work-cgroup", sp / "image", *marks, *tops):
+    for p in (skel, sp, sp / "usr", sp / "python", sp / "image", *marks, *tops):
         os.chown(p, ID_BASE, ID_BASE)
     os.chmod(skel, 0o755)
     os.chmod(skel / "tmp", 0o1777)
@@ -201,7 +201,7 @@ def release_host(pub: Path) -> None:
 
 def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path,
                block_fd: int, info_fd: int, seccomp_fd: int, host_id: int,
-               work_procs: Sequence[str] = (), view: Path | None = None) -> list[str]:
+               work_fds: Sequence[int] = (), view: Path | None = None) -> list[str]:
     """The bubblewrap command line of one OCI sandbox (see the module docstring)."""
     _, py_argv = host_python()
     env = dict(e.split("=", 1) for e in img.env if "=" in e)
@@ -240,11 +240,10 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
     repo_view = view / img.repo_dir.lstrip("/") if view is not None else None
     if repo_view is not None and (repo_view / ".git").is_dir():
         argv += ["--ro-bind", str(repo_view), IMAGE_IN_SANDBOX]
-    # The agent puts each command into the work cgroup through these files only (see local).
-    for i, procs in enumerate(work_procs):
-        argv += ["--bind", procs, f"{_SP}/work-cgroup/{i}"]
-    if work_procs:
-        env["SANDPOOL_WORK_CGROUP"] = f"{_SP}/work-cgroup"
+    # The agent puts each command into the work cgroup through these descriptors only (see
+    # _bwrap: no cgroup file is visible inside).
+    if work_fds:
+        env["SANDPOOL_WORK_CGROUP_FDS"] = " ".join(map(str, work_fds))
     for key, value in env.items():
         argv += ["--setenv", key, value]
     if img.uid or img.gid:

@@ -198,11 +198,12 @@ class LocalBackend(Backend):
                     os.chown(upper, ids.base, ids.base)
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
             budget = self._cgroups.watch(sid) if self._cgroups else None  # whose a death is
-            work_procs = self._cgroups.work_procs(sid) if self._cgroups else []
-            # The agent (its uid inside, in the sandbox's range) moves its commands there.
-            agent_id = (user, ids.host(img.gid)) if oci else (user, user)
-            for f in work_procs:
-                os.chown(f, *agent_id)
+            # The agent moves its commands into the work group through these descriptors,
+            # opened here: the files stay root's, out of reach of every process inside.
+            work_fds = []
+            for f in self._cgroups.work_procs(sid) if self._cgroups else []:
+                work_fds.append(os.open(f, os.O_WRONLY))
+                pass_fds.append(work_fds[-1])
             info_r, info_w = os.pipe()
             pass_fds.append(info_w)
             block_r, block_w = os.pipe()
@@ -218,7 +219,7 @@ class LocalBackend(Backend):
                 mount_overlay(lowers, upper, work, root)
                 argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
                                        block_fd=block_r, info_fd=info_w, seccomp_fd=seccomp_r,
-                                       host_id=ids.base, work_procs=work_procs, view=view)
+                                       host_id=ids.base, work_fds=work_fds, view=view)
             else:
                 merged, lower = state / "merged", state / "lower"
                 merged.mkdir()
@@ -242,7 +243,7 @@ class LocalBackend(Backend):
                     svc.mkdir()
                     os.chown(svc, user, user)
                 argv = _idmap.publish_binds(bwrap_argv(self.bwrap, self.limits, img, etc, merged, tmp,
-                                                       work_procs, self.service, svc)[1:],
+                                                       work_fds, self.service, svc)[1:],
                                             _oci.public_dir(self.run_id) / sid, user)
                 argv = [*_idmap.as_host_id(user), self.bwrap, "--userns-block-fd", str(block_r),
                         "--info-fd", str(info_w), "--seccomp", str(seccomp_r), *argv]
