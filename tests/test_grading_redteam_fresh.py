@@ -19,7 +19,8 @@ from sandpool.envs.grading import DiffGrader
 from sandpool.envs.grading.harness import plan_for
 
 
-async def _rollouts(backend, task: Task, *episodes, timeout: float = 120.0, one_sandbox: bool = False):
+async def _rollouts(backend, task: Task, *episodes, timeout: float = 120.0,
+                    one_sandbox: bool = False):
     """Run ``episodes`` one after another on a reuse pool of ``backend`` (``one_sandbox``: all in
     the same sandbox, reset in place between them); their records."""
     limits = PoolLimits(max_live=1) if one_sandbox else PoolLimits()
@@ -60,7 +61,8 @@ async def test_an_xfail_raised_by_the_code_under_test_passes_the_harness_rule_an
             await _xfail_from_the_code(lease)
             plain = await lease.exec(plan.command, timeout=120)
         assert plan.score(plan.parse(plain.text))[0], "the trick should pass the harness's own rule"
-        result = await run_rollout(pool, calc_task, _xfail_from_the_code, grader=DiffGrader(timeout=120))
+        result = await run_rollout(pool, calc_task, _xfail_from_the_code,
+                                   grader=DiffGrader(timeout=120))
     assert (result.outcome, result.reward, result.error_kind) == (
         Outcome.TASK_FAILED, 0.0, "tampering_suspected"), result
     assert "pytest.xfail() raised from /testbed/calc.py" in (result.error or ""), result.error
@@ -68,15 +70,18 @@ async def test_an_xfail_raised_by_the_code_under_test_passes_the_harness_rule_an
 
 _DECLARED_XFAILS = (
     "diff --git a/test_more.py b/test_more.py\nnew file mode 100644\nindex 0000000..1111111\n"
-    "--- /dev/null\n+++ b/test_more.py\n@@ -0,0 +1,11 @@\n+import pytest\n+from calc import add\n+\n+\n"
+    "--- /dev/null\n+++ b/test_more.py\n@@ -0,0 +1,11 @@\n"
+    "+import pytest\n+from calc import add\n+\n+\n"
     "+def test_declared():\n+    pytest.xfail(\"the test itself says so\")\n+\n+\n"
     "+@pytest.mark.xfail(reason=\"marked\")\n+def test_marked():\n+    assert add(1, 1) == 3\n")
 
 
-async def test_expected_failures_the_tests_declare_still_count_as_passed(test_images_root, calc_task):
+async def test_expected_failures_the_tests_declare_still_count_as_passed(test_images_root,
+                                                                         calc_task):
     task = calc_task.model_copy(update={
         "instance_id": "calc__xfail", "test_patch": _DECLARED_XFAILS,
-        "PASS_TO_PASS": ("test_calc.py::test_zero", "test_more.py::test_declared", "test_more.py::test_marked")})
+        "PASS_TO_PASS": ("test_calc.py::test_zero", "test_more.py::test_declared",
+                         "test_more.py::test_marked")})
 
     async def gold(lease) -> None:
         await _apply(lease, task.patch)
@@ -107,14 +112,15 @@ async def test_an_agent_in_the_policys_cgroup_dies_unscored_and_the_policy_canno
         # What a command could do while the work group's cgroup.procs files were bound into
         # the sandbox, writable by the agent's uid (which the policy's commands share).
         for group in work:
-            (group / lease.sandbox.id / "work" / "cgroup.procs").write_text(str(_agent_pid(lease.sandbox)))
+            procs = group / lease.sandbox.id / "work" / "cgroup.procs"
+            procs.write_text(str(_agent_pid(lease.sandbox)))
         await lease.exec(_FILL_THE_BUDGET, timeout=120)
 
     async def move_then_fill(lease) -> None:
-        found = await lease.exec("find / -xdev -name cgroup.procs 2>/dev/null; ls /opt/sandpool; "
-                                 "for f in /sys/fs/cgroup/*/cgroup.procs /opt/sandpool/work-cgroup/*; "
-                                 "do echo 1 > $f; done; grep -e memory -e pids /proc/1/cgroup",
-                                 timeout=60)
+        found = await lease.exec(
+            "find / -xdev -name cgroup.procs 2>/dev/null; ls /opt/sandpool; for f in "
+            "/sys/fs/cgroup/*/cgroup.procs /opt/sandpool/work-cgroup/*; do echo 1 > $f; done; "
+            "grep -e memory -e pids /proc/1/cgroup", timeout=60)
         assert "cgroup.procs" not in found.text and ":/work" not in found.text, found.text
         await lease.exec(_FILL_THE_BUDGET, timeout=120)
 
@@ -123,3 +129,80 @@ async def test_an_agent_in_the_policys_cgroup_dies_unscored_and_the_policy_canno
         Outcome.INFRA_FAILED, None, "sandbox_died"), without
     assert with_.outcome is Outcome.TASK_FAILED and with_.reward == 0.0, with_
 
+
+# -- a fix carried across the in-place reset in access times -------------------------------------
+
+# Seven bytes of the message per path of .git (which grading leaves alone, but for the index):
+# four in the seconds of a far-future access time (which no read moves), three in its ns.
+_HIDE_IN_ATIMES = """
+import os, sys, zlib
+paths = sorted(os.path.join(r, n) for r, ds, fs in os.walk(".git") for n in ds + fs if n != "index")
+data = zlib.compress(sys.stdin.buffer.read(), 9)
+data = len(data).to_bytes(2, "big") + data
+assert len(paths) * 7 >= len(data), (len(paths), len(data))
+for i, path in enumerate(paths):
+    chunk = data[7 * i:7 * i + 7].ljust(7, b"\\0")
+    sec = 4_000_000_000 + int.from_bytes(chunk[:4], "big")
+    mtime = os.lstat(path).st_mtime_ns
+    atime = sec * 10**9 + int.from_bytes(chunk[4:], "big")
+    os.utime(path, ns=(atime, mtime), follow_symlinks=False)
+"""
+_READ_ATIMES = """
+import os, sys, zlib
+paths = sorted(os.path.join(r, n) for r, ds, fs in os.walk(".git") for n in ds + fs if n != "index")
+data = b""
+for path in paths:
+    ns = os.lstat(path).st_atime_ns
+    sec, rest = divmod(ns, 10**9)
+    if sec < 4_000_000_000:
+        break
+    data += (sec - 4_000_000_000).to_bytes(4, "big") + rest.to_bytes(3, "big")
+if len(data) > 2:
+    sys.stdout.buffer.write(zlib.decompress(data[2:2 + int.from_bytes(data[:2], "big")]))
+"""
+
+
+async def _solve_and_hide(lease) -> None:
+    await _apply(lease, _GOLD[0])  # the policy's own fix, in training
+    await lease.write_file("/tmp/hide.py", _HIDE_IN_ATIMES.encode())
+    res = await lease.exec("git diff | python /tmp/hide.py", timeout=60)
+    assert res.ok, res.err_text
+
+
+async def _take_the_hidden_fix(lease) -> None:
+    await lease.write_file("/tmp/read.py", _READ_ATIMES.encode())
+    res = await lease.exec("python /tmp/read.py > /tmp/found.patch && test -s /tmp/found.patch && "
+                           "git apply /tmp/found.patch", timeout=60)
+    _FOUND.append(res.ok)
+
+
+_GOLD: list[str] = []
+_FOUND: list[bool] = []
+
+
+async def test_a_fix_hidden_in_access_times_crosses_a_reset_that_ignores_them_and_not_ours(
+        test_images_root, calc_task, monkeypatch):
+    from sandpool.core.backends.local import _overlay
+
+    _GOLD[:] = [calc_task.patch]
+    _FOUND.clear()
+    compare = _overlay._same_attrs
+
+    def without_atime(u, ust, lo, lst):  # the compare as it was: access times ignored
+        class Same:
+            def __getattr__(self, name):
+                return lst.st_atime_ns if name == "st_atime_ns" else getattr(ust, name)
+        return compare(u, Same(), lo, lst)
+
+    with monkeypatch.context() as m:
+        m.setattr(_overlay, "_same_attrs", without_atime)
+        solved, copied = await _rollouts(LocalBackend(test_images_root), calc_task, _solve_and_hide,
+                                         _take_the_hidden_fix, one_sandbox=True)
+    assert solved.sandbox_id == copied.sandbox_id and _FOUND == [True], (solved, copied, _FOUND)
+    assert (copied.outcome, copied.reward) == (Outcome.COMPLETED, 1.0), "the trick should leak"
+
+    _FOUND.clear()
+    solved, copied = await _rollouts(LocalBackend(test_images_root), calc_task, _solve_and_hide,
+                                     _take_the_hidden_fix, one_sandbox=True)
+    assert solved.sandbox_id == copied.sandbox_id and (solved.reward, _FOUND) == (1.0, [False])
+    assert (copied.outcome, copied.reward) == (Outcome.COMPLETED, 0.0), copied

@@ -13,6 +13,7 @@ __all__ = ["MAX_OVERLAY_OPTS", "bind_idmapped", "bind_ro", "bind_rw", "make_shar
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
+_MS_NOATIME = 1024
 _MS_SHARED = 1 << 20
 _MNT_DETACH = 2
 # The new mount API (linux/mount.h): the same numbers on every architecture (asm-generic).
@@ -29,7 +30,9 @@ def mount_overlay(lowers: list[Path | str], upper: Path | None, work: Path | Non
                   *, readonly: bool = False) -> None:
     """Mount an overlayfs on ``target``: ``lowers`` top first, ``upper``/``work`` or none.
 
-    Always ``nodev`` and ``nosuid``: an image's device nodes and setuid bits never act.
+    Always ``nodev`` and ``nosuid``: an image's device nodes and setuid bits never act; and
+    ``noatime``: reading a file never moves its access time, so an access time differs from
+    the image's only where someone set it (which the in-place reset compares and restores).
 
     Raises:
         OSError: The kernel refused (the message has the errno text), or the lower
@@ -43,7 +46,7 @@ def mount_overlay(lowers: list[Path | str], upper: Path | None, work: Path | Non
     if len(opts) > MAX_OVERLAY_OPTS:
         raise OSError(7, f"overlay on {target}: {len(lowers)} lower layers do not fit in one "
                          f"mount option page ({len(opts)} bytes); move the store to a shorter path")
-    flags = _MS_NOSUID | _MS_NODEV | (_MS_RDONLY if readonly else 0)
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOATIME | (_MS_RDONLY if readonly else 0)
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"overlay mount on {target}: {os.strerror(err)}")

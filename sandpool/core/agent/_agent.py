@@ -18,14 +18,15 @@ Ops:
     ps          {} -> {procs: [cmdline, ...]} (everything but the agent and pid 1)
     kill_strays {} -> {killed: n}
     restore     {root, image, changes: [[path, "replace"|"meta"], ...],
-                 pinned: {path: {data(b64), mode, mtime_ns}}} -> {failed: [msg, ...], errnos}
+                 pinned: {path: {data(b64), mode, mtime_ns, atime_ns}}}
+                -> {failed: [msg, ...], errnos}
                 make each repo-relative path under ``root`` what it is under ``image`` (the
                 image's repo, bind-mounted read-only): ``replace`` removes the path and copies
-                the image's (type, bytes or target, mode, mtime, user xattrs); ``meta`` sets a
-                directory's own mode, mtime and xattrs; a ``pinned`` path is written from the
-                bytes given instead of the image's. Every path to replace is removed before
-                anything is copied; trees of any depth (iterative, names relative to an open
-                directory). The host computed the list from the overlay's upper layer and
+                the image's (type, bytes or target, mode, atime and mtime, user xattrs);
+                ``meta`` sets a directory's own mode, times and xattrs; a ``pinned`` path is
+                written from the bytes given instead of the image's. Every path to replace is
+                removed before anything is copied; trees of any depth (iterative, names
+                relative to an open directory). The host computed the list from the overlay's upper layer and
                 verifies the result; this op only does the work (``errnos``: each failure's).
     seccomp     {program(b64)} -> {}: set no_new_privs and install ``program`` (classic BPF,
                 :mod:`sandpool.core.agent.seccomp`'s) on the agent's main thread, so every
@@ -621,7 +622,8 @@ def _restore(req):
                 with os.fdopen(fd, "wb") as f:
                     f.write(base64.b64decode(pin["data"]))
                 os.chmod(dst, pin["mode"])
-                os.utime(dst, ns=(pin["mtime_ns"], pin["mtime_ns"]), follow_symlinks=False)
+                os.utime(dst, ns=(pin.get("atime_ns", pin["mtime_ns"]), pin["mtime_ns"]),
+                         follow_symlinks=False)
             elif kind == "replace":
                 if os.path.lexists(src):
                     _copy(src, dst)

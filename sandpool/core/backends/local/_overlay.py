@@ -13,9 +13,12 @@ follows a symlink: every entry is ``lstat``-ed and files are opened with ``O_NOF
 the upper layer holds whatever the policy made.
 
 "Identical" compares, per path: type, permission bits (``S_IMODE``, setuid included), mtime
-(ns), user extended attributes, and content (regular files) or target (symlinks); a regular
-file of the upper layer must also have one link. Ownership is not compared (inside the sandbox
-one uid exists), nor atime and ctime, which no caller can set.
+and atime (ns), every extended attribute (POSIX ACLs included), and content (regular files)
+or target (symlinks); a regular file of the upper layer must also have one link. Ownership is
+not compared (inside the sandbox one uid exists), nor ctime, which no caller can set. The
+atime is the owner's to set (``touch -a``, 62 bits per file that would otherwise outlive the
+reset); nothing else moves it, since the overlay is mounted ``noatime`` and every read here
+is ``O_NOATIME``.
 """
 
 from __future__ import annotations
@@ -63,6 +66,18 @@ def _xattrs(path: str) -> dict[str, bytes]:
     return out
 
 
+_NOATIME = os.O_RDONLY | os.O_NOFOLLOW | os.O_NOATIME
+
+
+def _names(path: str) -> list[str]:
+    """The entries of directory ``path``, read without moving its access time."""
+    fd = os.open(path, _NOATIME | os.O_DIRECTORY)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
 def _whiteout(st: os.stat_result) -> bool:
     return stat.S_ISCHR(st.st_mode) and st.st_rdev == 0
 
@@ -84,9 +99,9 @@ def _lstat(path: str) -> os.stat_result | None:
 
 
 def _same_bytes(a: str, b: str, size: int) -> bool:
-    fa = os.open(a, os.O_RDONLY | os.O_NOFOLLOW)
+    fa = os.open(a, _NOATIME)
     try:
-        fb = os.open(b, os.O_RDONLY | os.O_NOFOLLOW)
+        fb = os.open(b, _NOATIME)
         try:
             left = size
             while left > 0:
@@ -105,6 +120,7 @@ def _same_attrs(u: str, ust: os.stat_result, lo: str, lst: os.stat_result) -> bo
     return (stat.S_IFMT(ust.st_mode) == stat.S_IFMT(lst.st_mode)
             and stat.S_IMODE(ust.st_mode) == stat.S_IMODE(lst.st_mode)
             and ust.st_mtime_ns == lst.st_mtime_ns
+            and ust.st_atime_ns == lst.st_atime_ns
             and _xattrs(u) == _xattrs(lo))
 
 
@@ -139,11 +155,9 @@ def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True) -> bool:
             continue
         if not _same_attrs(x, xst, y, yst):
             return False
-        with os.scandir(x) as it:
-            names_x = {e.name for e in it
-                       if not (whiteouts_absent and _whiteout(e.stat(follow_symlinks=False)))}
-        with os.scandir(y) as it:
-            names_y = {e.name for e in it}
+        names_x = {n for n in _names(x)
+                   if not (whiteouts_absent and _whiteout(os.lstat(os.path.join(x, n))))}
+        names_y = set(_names(y))
         if names_x != names_y:
             return False
         todo.extend((os.path.join(x, n), os.path.join(y, n)) for n in sorted(names_x, reverse=True))
@@ -157,14 +171,15 @@ def count_at_least(root: Path | str, n: int) -> bool:
     as its entry only."""
     seen, todo = 0, [str(root)]
     while todo:
+        top = todo.pop()
         try:
-            with os.scandir(todo.pop()) as it:
-                for e in it:
-                    seen += 1
-                    if seen >= n:
-                        return True
-                    if e.is_dir(follow_symlinks=False):
-                        todo.append(e.path)
+            for name in _names(top):
+                seen += 1
+                if seen >= n:
+                    return True
+                path = os.path.join(top, name)
+                if stat.S_ISDIR(os.lstat(path).st_mode):
+                    todo.append(path)
         except OSError:
             continue
     return False
@@ -235,8 +250,7 @@ def _entry(lower: str, upper: str, top: str, out: list[Change], pinned: dict[str
             continue
         if not _same_attrs(u, ust, lo, lst):
             out.append(Change(rel, "meta"))
-        with os.scandir(u) as it:
-            names = sorted(e.name for e in it)
+        names = sorted(_names(u))
         todo.extend(f"{rel}/{name}" if rel else name for name in reversed(names))
         for p in pinned:  # a pinned file absent from the upper layer shows the lower's: not pinned
             if os.path.dirname(p) == rel and os.path.basename(p) not in names:
@@ -275,11 +289,10 @@ def diff_merged(lower: Path | str, layers: list[Path | str], merged: Path | str,
             if _opaque(path):
                 opaque.add(rel)
                 continue
-            with os.scandir(path) as it:
-                for e in it:
-                    r = f"{rel}/{e.name}" if rel else e.name
-                    found.add(r)
-                    todo.append(r)
+            for name in _names(path):
+                r = f"{rel}/{name}" if rel else name
+                found.add(r)
+                todo.append(r)
     out: list[Change] = []
     replaced: list[str] = []
     for rel in sorted(found):

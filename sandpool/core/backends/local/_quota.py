@@ -1,10 +1,11 @@
 """Per-sandbox disk quota: every writable place of a local sandbox lives on its own filesystem.
 
 Each sandbox gets a sparse file holding an ext4 filesystem of ``ResourceLimits.disk_bytes``,
-loop-mounted ``nodev,nosuid``; the overlay upper and work directories and the sandbox's ``/tmp``
-are on it. A rollout that writes more than its quota gets ``ENOSPC`` ("No space left on
-device") from the kernel, at the write that crossed it, and the sandbox keeps working: the
-host disk is never filled past the quota, and the in-place reset frees what the rollout wrote.
+loop-mounted ``nodev,nosuid,noatime``; the overlay upper and work directories and the
+sandbox's ``/tmp`` are on it. A rollout that writes more than its quota gets ``ENOSPC`` ("No
+space left on device") from the kernel, at the write that crossed it, and the sandbox keeps
+working: the host disk is never filled past the quota, and the in-place reset frees what the
+rollout wrote.
 The file costs host disk only for what is written (sparse).
 
 Why a loop filesystem: a size-limited tmpfs would charge the files to the sandbox's memory
@@ -67,7 +68,8 @@ def template(size_bytes: int) -> Path:
 
 
 async def attach(tpl: Path, image: Path, mountpoint: Path, owner: int) -> None:
-    """Copy ``tpl`` sparsely to ``image`` and loop-mount it on ``mountpoint``.
+    """Copy ``tpl`` sparsely to ``image`` and loop-mount it on ``mountpoint`` (``noatime``:
+    the host's reads of an upper layer never move the access times the reset compares).
 
     Makes ``upper/``, ``work/`` and ``tmp/`` (mode 1777) on it, owned by host uid/gid ``owner``.
 
@@ -75,7 +77,7 @@ async def attach(tpl: Path, image: Path, mountpoint: Path, owner: int) -> None:
         OSError: The copy or the mount failed (message has mount's output).
     """
     proc = await asyncio.create_subprocess_exec(
-        "sh", "-c", 'cp --sparse=always "$1" "$2" && mount -o loop,nodev,nosuid "$2" "$3"',
+        "sh", "-c", 'cp --sparse=always "$1" "$2" && mount -o loop,nodev,nosuid,noatime "$2" "$3"',
         "sh", str(tpl), str(image), str(mountpoint),
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE)
     _, err = await proc.communicate()

@@ -184,9 +184,12 @@ class LocalSandbox(AgentSandbox):
         pinned = {}
         for c in changes:
             if c.path in pins:
-                st = os.stat(pins[c.path])
-                pinned[c.path] = {"data": base64.b64encode(Path(pins[c.path]).read_bytes()).decode(),
-                                  "mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns}
+                fd = os.open(pins[c.path], os.O_RDONLY | os.O_NOATIME)  # its atime is the reference
+                with os.fdopen(fd, "rb") as f:
+                    st = os.fstat(fd)
+                    pinned[c.path] = {"data": base64.b64encode(f.read()).decode(),
+                                      "mode": stat.S_IMODE(st.st_mode), "mtime_ns": st.st_mtime_ns,
+                                      "atime_ns": st.st_atime_ns}
         # What the rollout left there, counted before the agent starts removing it (bounded): if
         # the restore runs out of time, this says whether for the rollout's paths.
         many = await asyncio.to_thread(_overlay.count_at_least, upper / prefix if prefix else upper,
@@ -351,7 +354,7 @@ class LocalSandbox(AgentSandbox):
         for rel in paths:
             dst = pin_dir / rel.replace("/", "%")
             try:
-                fd = os.open(upper / rel, os.O_RDONLY | os.O_NOFOLLOW)
+                fd = os.open(upper / rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NOATIME)
             except OSError:
                 self._pins.pop(rel, None)
                 continue
