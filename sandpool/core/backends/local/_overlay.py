@@ -116,16 +116,16 @@ def _same_bytes(a: str, b: str, size: int) -> bool:
         os.close(fa)
 
 
-def _same_attrs(u: str, ust: os.stat_result, lo: str, lst: os.stat_result) -> bool:
+def _same_attrs(u: str, ust: os.stat_result, lo: str, lst: os.stat_result, atime: bool = True) -> bool:
     return (stat.S_IFMT(ust.st_mode) == stat.S_IFMT(lst.st_mode)
             and stat.S_IMODE(ust.st_mode) == stat.S_IMODE(lst.st_mode)
             and ust.st_mtime_ns == lst.st_mtime_ns
-            and ust.st_atime_ns == lst.st_atime_ns
+            and (not atime or ust.st_atime_ns == lst.st_atime_ns)
             and _xattrs(u) == _xattrs(lo))
 
 
-def _same_leaf(u: str, ust: os.stat_result, lo: str, lst: os.stat_result) -> bool:
-    if not _same_attrs(u, ust, lo, lst):
+def _same_leaf(u: str, ust: os.stat_result, lo: str, lst: os.stat_result, atime: bool = True) -> bool:
+    if not _same_attrs(u, ust, lo, lst, atime):
         return False
     if stat.S_ISLNK(ust.st_mode):
         return os.readlink(u) == os.readlink(lo)
@@ -134,8 +134,9 @@ def _same_leaf(u: str, ust: os.stat_result, lo: str, lst: os.stat_result) -> boo
     return False  # fifos, sockets, devices: never part of an image's repo
 
 
-def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True) -> bool:
-    """True when the trees at host paths ``a`` and ``b`` are identical (see module docstring).
+def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True, atime: bool = True) -> bool:
+    """True when the trees at host paths ``a`` and ``b`` are identical (see module docstring;
+    ``atime=False``: but for access times, e.g. of two copies read at different times).
 
     Whiteouts under ``a`` count as absent entries (``a`` is an opaque upper directory).
     Iterative: it descends only where both trees have a directory of the same name, so ``b``
@@ -150,10 +151,10 @@ def tree_equal(a: str, b: str, *, whiteouts_absent: bool = True) -> bool:
                 return False
             continue
         if not stat.S_ISDIR(xst.st_mode) or not stat.S_ISDIR(yst.st_mode):
-            if not _same_leaf(x, xst, y, yst):
+            if not _same_leaf(x, xst, y, yst, atime):
                 return False
             continue
-        if not _same_attrs(x, xst, y, yst):
+        if not _same_attrs(x, xst, y, yst, atime):
             return False
         names_x = {n for n in _names(x)
                    if not (whiteouts_absent and _whiteout(os.lstat(os.path.join(x, n))))}
