@@ -30,13 +30,15 @@ models, per cluster:
   lognormal with median ``exec_s`` (``exec_pod_s`` for the pods baseline's pod exec) and
   ``exec_sigma``, an in-place reset ``reset_s``; every other latency is scaled by a uniform
   factor in ``[1 - jitter, 1 + jitter]``. A pod exec of the pods baseline fails with
-  probability ``exec_pod_fail`` (as kwok's did under load: 208 of 608 attempts at 100
-  images), and the rollout is retried on a new pod, its TTFC counted from that attempt's
-  claim (as :func:`~sandpool.core.rollout.run_rollout` reports it).
+  probability ``exec_pod_fail`` (as kwok's did under load), and the rollout is retried on a
+  new pod, its TTFC counted from that attempt's claim (as
+  :func:`~sandpool.core.rollout.run_rollout` reports it).
 
 The defaults are calibrated from the kwok runs of ``bench/k8s_burst.py`` on the 2-core
-development machine (see :func:`calibration_points`); :func:`compare` prints the model's
-error against them.
+development machine (:data:`sandpool.bench.predict.MEASURED` lists every figure, with its
+source); :func:`sandpool.bench.predict.compare` gives the model's error on each of them.
+The real node's runs (``bench/real_node.py``) are not among them: their burst ran one image
+under several names, whose shared layers are pulled once, and the model has no layers.
 """
 
 from __future__ import annotations
