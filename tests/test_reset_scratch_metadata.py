@@ -102,7 +102,7 @@ async def _next_and_sibling_see_fresh(backend: LocalBackend, task) -> None:
     planted_in: dict[str, str] = {}
 
     async def plant(name: str, lease) -> float:
-        fresh[lease.sandbox.id] = {d: m["mode"] for d, m in lease.sandbox._scratch.items()}
+        fresh[lease.sandbox.id] = {d: m["mode"] for d, m in lease.sandbox._scratch_record.items()}
         planted_in[name] = lease.sandbox.id
         seen[f"{name}-before"] = await _read(lease)  # a sibling is planting meanwhile
         assert "planted" in await _plant(lease, secrets[name])

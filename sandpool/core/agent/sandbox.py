@@ -41,6 +41,9 @@ class AgentSandbox(Sandbox):
     #: Where the service's commands run (its directory when the backend can name it).
     _service_cwd: str | None = None
     _service: service.RunningService | None = None
+    #: The scratch directories' own metadata when fresh (:meth:`record_scratch`); None: not
+    #: recorded (the reset then empties them the generic way).
+    _scratch_record: dict[str, dict] | None = None
 
     @abc.abstractmethod
     def _ops(self) -> AgentOps:
@@ -147,6 +150,41 @@ class AgentSandbox(Sandbox):
         (``failed``, ``errnos``: :meth:`AgentClient.restore`)."""
         return await self._guarded(
             lambda _: self._client().restore(self.workdir, image, changes, pinned, timeout))
+
+    # -- the scratch directories -------------------------------------------------------------
+
+    async def record_scratch(self, *, timeout: float = 30.0) -> None:
+        """Record the scratch directories' own metadata as pristine; the backend calls it once,
+        as soon as the agent is ready (no command of any rollout has run).
+
+        Raises:
+            SandboxStartError: A scratch directory could not be read.
+        """
+        meta = (await self._call("scratch", timeout, paths=list(self.scratch)))["meta"]
+        bad = {p: m["error"] for p, m in meta.items() if "error" in m}
+        if bad:
+            raise errors.SandboxStartError(f"sandbox {self.id}: cannot read its scratch directories: {bad}")
+        self._scratch_record = meta
+
+    async def restore_scratch(self, *, timeout: float = 60.0) -> list[str] | None:
+        """Empty the scratch directories (any depth) and set their mode, times and extended
+        attributes back to those recorded fresh (:meth:`record_scratch`), through the agent's
+        ``scratch`` op, then compare what it reads back with the record (the owner too); see
+        :meth:`Sandbox.restore_scratch`. None when nothing was recorded."""
+        record = self._scratch_record
+        if record is None:
+            return None
+        msg = await self._call("scratch", timeout, paths=list(record), restore=record)
+        got, left = msg["meta"], msg.get("left", {})
+        problems = [f"scratch space not empty: {p} holds {names}" for p, names in left.items() if names]
+        for path, want in record.items():
+            now = got.get(path) or {"error": "not read"}
+            if "error" in now:
+                problems.append(f"scratch directory {path} could not be restored: {now['error']}")
+            elif diff := [f"{k} {now.get(k)!r} (fresh {v!r})" for k, v in want.items()
+                          if now.get(k) not in (v, "refreshed", "unwritable")]:  # see the op
+                problems.append(f"scratch directory {path} is not as fresh: {', '.join(diff)}")
+        return problems
 
     # -- the service -------------------------------------------------------------------------
 

@@ -76,7 +76,6 @@ class LocalSandbox(AgentSandbox):
         self.budget: BudgetWatch | None = None
         #: The sandbox's own range of host ids (``_idrange``), released when it is deleted.
         self.ids: IdRange | None = None
-        self._scratch: dict[str, dict] = {}  # scratch dir -> its metadata when fresh
         #: Where its repo's overlay is mounted on the host (image directories).
         self.merged = state_dir / "merged"
         #: The image's repo directory on the host, as built (the image's identity).
@@ -280,38 +279,6 @@ class LocalSandbox(AgentSandbox):
         if st.f_bavail * st.f_frsize < _FULL_BYTES:
             return f"its disk quota has {st.f_bavail * st.f_frsize} bytes left of {st.f_blocks * st.f_frsize}"
         return None
-
-    async def record_scratch(self, *, timeout: float = 30.0) -> None:
-        """Record the scratch directories' own metadata as pristine; the backend calls it once,
-        as soon as the agent is ready (no command of any rollout has run).
-
-        Raises:
-            SandboxStartError: A scratch directory could not be read.
-        """
-        meta = (await self._call("scratch", timeout, paths=list(self.scratch)))["meta"]
-        bad = {p: m["error"] for p, m in meta.items() if "error" in m}
-        if bad:
-            raise errors.SandboxStartError(f"sandbox {self.id}: cannot read its scratch directories: {bad}")
-        self._scratch = meta
-
-    async def restore_scratch(self, *, timeout: float = 60.0) -> list[str]:
-        """Empty the scratch directories (any depth) and set their mode, times and extended
-        attributes back to those recorded fresh (:meth:`record_scratch`), through the agent's
-        ``scratch`` op, then compare what it reads back with the record (the owner too); see
-        :meth:`Sandbox.restore_scratch`."""
-        if not self._scratch:
-            return [f"no pristine record of the scratch directories of sandbox {self.id}"]
-        msg = await self._call("scratch", timeout, paths=list(self._scratch), restore=self._scratch)
-        got, left = msg["meta"], msg.get("left", {})
-        problems = [f"scratch space not empty: {p} holds {names}" for p, names in left.items() if names]
-        for path, want in self._scratch.items():
-            now = got.get(path) or {"error": "not read"}
-            if "error" in now:
-                problems.append(f"scratch directory {path} could not be restored: {now['error']}")
-            elif diff := [f"{k} {now.get(k)!r} (fresh {v!r})" for k, v in want.items()
-                          if now.get(k) not in (v, "refreshed", "unwritable")]:  # see the op
-                problems.append(f"scratch directory {path} is not as fresh: {', '.join(diff)}")
-        return problems
 
     # -- the service: its directory is on the host, its output in stderr.log ----------------
 
