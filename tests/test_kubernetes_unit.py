@@ -385,6 +385,24 @@ def test_template_pods_require_their_planned_node():
     ]
 
 
+@pytest.mark.parametrize("disk_bytes", [None, 64 << 20])
+def test_a_read_only_root_puts_repo_tmp_and_service_dir_on_one_volume(disk_bytes):
+    spec = m.pod_spec(m.PodImage("x:1", workdir="/testbed"), container="c", command=["sleep"],
+                      resources={}, runtime_class=None, node_selector=None, tolerations=None,
+                      disk_bytes=disk_bytes, read_only_root=True)
+    c = spec["containers"][0]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert [(v["mountPath"], v["subPath"]) for v in c["volumeMounts"]] == [
+        ("/testbed", "repo"), ("/tmp", "tmp"), ("/run/sandpool", "run")]
+    # A cap makes the volume a tmpfs of that size (ENOSPC inside); none leaves it on disk.
+    want = {"medium": "Memory", "sizeLimit": str(disk_bytes)} if disk_bytes else {}
+    assert spec["volumes"] == [{"name": m.SCRATCH_VOLUME, "emptyDir": want}]
+    assert spec["initContainers"][0]["volumeMounts"][0]["name"] == m.SCRATCH_VOLUME
+    plain = m.pod_spec(m.PodImage("x:1"), container="c", command=["sleep"], resources={},
+                       runtime_class=None, node_selector=None, tolerations=None)
+    assert "volumes" not in plain and "securityContext" not in plain["containers"][0]
+
+
 @pytest.fixture
 async def flaky_exec_server():
     """A loopback API server whose pod-exec upgrades are answered by ``answers`` (status,

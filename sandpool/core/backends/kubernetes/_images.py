@@ -43,7 +43,8 @@ class PodImages:
         service_port: The port the pods' service listens on (declared in the spec), or None.
         disk_bytes: The pods' writable scratch cap (:func:`._manifests.scratch_volume`), or None.
         entrypoint: The container command that makes the agent pid 1 (:mod:`._entrypoint`),
-            or None (``command``).
+            or None (``command``); with it every pod's root file system is read-only, its
+            repo and ``/tmp`` on the scratch volume.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class PodImages:
             tolerations=self.tolerations,
             node=self._node_of.get(image) if image is not None else None,
             disk_bytes=self.disk_bytes,
+            read_only_root=self.entrypoint is not None,
         )
         if self.entrypoint:  # the agent: one attach, whose end closes its stdin
             spec["containers"][0].update(stdin=True, stdinOnce=True)

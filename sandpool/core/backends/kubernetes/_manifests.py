@@ -119,12 +119,13 @@ def pod_spec(
     tolerations: Sequence[Mapping[str, Any]] | None,
     node: str | None = None,
     disk_bytes: int | None = None,
+    read_only_root: bool = False,
 ) -> dict[str, Any]:
     """The PodSpec shared by templates and plain pods: one long-sleeping container.
 
     ``node`` (from the placement plan) adds a required node affinity to that
     ``kubernetes.io/hostname``, so the image's sandboxes run where it was prepulled.
-    ``disk_bytes`` gives the pod :func:`scratch_volume`'s layout."""
+    ``read_only_root`` (or ``disk_bytes``) gives the pod :func:`scratch_volume`'s layout."""
     spec: dict[str, Any] = {
         "containers": [
             {
@@ -152,7 +153,7 @@ def pod_spec(
         spec["nodeSelector"] = dict(node_selector)
     if tolerations:
         spec["tolerations"] = [dict(t) for t in tolerations]
-    if disk_bytes:
+    if read_only_root or disk_bytes:
         scratch_volume(spec, pi, disk_bytes)
     if node:
         spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
@@ -166,29 +167,36 @@ def pod_spec(
 #: The pod's one writable volume, and where its filler sees it.
 SCRATCH_VOLUME = "sandpool-scratch"
 _FILL_AT = "/sandpool-fill"
+#: Where the pod's service directory lives (``_service``), on the scratch volume.
+RUN_DIR = "/run/sandpool"
 
 
-def scratch_volume(spec: dict[str, Any], pi: PodImage, disk_bytes: int) -> None:
-    """Make the image's root file system read-only and give the pod one writable volume: a
-    memory-backed ``emptyDir`` (a tmpfs) of ``disk_bytes`` holding a copy of the image's
-    workdir, mounted at the workdir, and ``/tmp``. An init container of the same image copies
-    the workdir in (``cp -a``: modes, times, ``.git`` and all).
+def scratch_volume(spec: dict[str, Any], pi: PodImage, disk_bytes: int | None) -> None:
+    """Make the image's root file system read-only and give the pod one writable volume, an
+    ``emptyDir`` holding a copy of the image's workdir, mounted at the workdir, ``/tmp`` and
+    :data:`RUN_DIR` (the service's directory). An init container of the same image copies the
+    workdir in (``cp -a``: modes, times, ``.git`` and all).
 
-    A write past ``disk_bytes`` (the repo copy included) fails with ENOSPC inside the pod,
-    as the local backend's quota does, instead of an eviction; a write anywhere else fails
-    with EROFS, so a rollout can change nothing outside the workdir and ``/tmp``. The
-    volume's pages count against the pod's memory limit.
+    With ``disk_bytes`` the volume is memory-backed (a tmpfs) of that size: a write past it
+    (the repo copy included) fails with ENOSPC inside the pod, as the local backend's quota
+    does, instead of an eviction, and its pages count against the pod's memory limit. Without,
+    it is on the node's disk, uncapped. Either way a write anywhere else on the root fails
+    with EROFS, so a rollout can change nothing of the image outside the workdir and ``/tmp``
+    (what the runtime mounts writable besides, ``/dev`` and ``/etc/hosts``, is compared by
+    the in-place reset: :meth:`KubernetesSandbox.changes_outside_repo`).
     """
     c = spec["containers"][0]
     c["securityContext"] = {**c.get("securityContext", {}), "readOnlyRootFilesystem": True}
     c["volumeMounts"] = [
         {"name": SCRATCH_VOLUME, "mountPath": pi.workdir, "subPath": "repo"},
         {"name": SCRATCH_VOLUME, "mountPath": "/tmp", "subPath": "tmp"},
+        {"name": SCRATCH_VOLUME, "mountPath": RUN_DIR, "subPath": "run"},
     ]
-    spec["volumes"] = [
-        {"name": SCRATCH_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(disk_bytes)}}
-    ]
-    fill = (f'mkdir -p {_FILL_AT}/repo && cp -a "$0/." {_FILL_AT}/repo/ '
+    empty: dict[str, Any] = {}
+    if disk_bytes:
+        empty = {"medium": "Memory", "sizeLimit": str(disk_bytes)}
+    spec["volumes"] = [{"name": SCRATCH_VOLUME, "emptyDir": empty}]
+    fill = (f'mkdir -p {_FILL_AT}/repo {_FILL_AT}/run && cp -a "$0/." {_FILL_AT}/repo/ '
             f"&& mkdir -m 1777 {_FILL_AT}/tmp")
     spec["initContainers"] = [{
         "name": "sandpool-fill",
