@@ -59,9 +59,11 @@ __all__ = ["SAFE_GIT", "Pristine", "ResetOutcome", "checkout", "pristine_record"
 #: A shell prefix that runs git without any configuration, hook, attribute file or fsmonitor
 #: a policy could have planted outside ``.git`` (``$HOME`` is ``/tmp`` in a sandbox, so
 #: ``~/.gitconfig`` and ``~/.config/git/attributes`` are the policy's). Use it for every git
-#: command sandpool runs on a policy's tree, after :func:`restore_git_metadata`.
+#: command sandpool runs on a policy's tree, after :func:`restore_git_metadata`. Its committer
+#: (the reflog's) is named, so git never looks the host's name up (``/etc/hosts``, DNS).
 SAFE_GIT = ("env -u GIT_DIR -u GIT_WORK_TREE -u GIT_INDEX_FILE -u GIT_OBJECT_DIRECTORY "
             "-u GIT_ALTERNATE_OBJECT_DIRECTORIES -u GIT_CONFIG_PARAMETERS "
+            "GIT_COMMITTER_NAME=sandpool GIT_COMMITTER_EMAIL=sandpool@localhost "
             "HOME=/nonexistent XDG_CONFIG_HOME=/nonexistent GIT_CONFIG_GLOBAL=/dev/null "
             "GIT_CONFIG_NOSYSTEM=1 GIT_ATTR_NOSYSTEM=1 GIT_TERMINAL_PROMPT=0 "
             "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.attributesFile=/dev/null "
