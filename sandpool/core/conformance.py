@@ -217,7 +217,10 @@ async def _disk_quota(sb: Sandbox, ctx: _Ctx) -> None:
 
 
 async def _processes(sb: Sandbox, ctx: _Ctx) -> None:
-    _expect((await sb.exec("sleep 600 & sleep 601 &", timeout=30)).ok, "could not start background processes")
+    # The command returns once both children run sleep, not while they are still its forks.
+    start = ("sleep 600 & a=$!; sleep 601 & b=$!; until [ \"$(tr -d '\\0' < /proc/$a/cmdline)"
+             "$(tr -d '\\0' < /proc/$b/cmdline)\" = sleep600sleep601 ]; do :; done")
+    _expect((await sb.exec(start, timeout=30)).ok, "could not start background processes")
     procs = await sb.processes()
     _expect(any("sleep 600" in p for p in procs) and any("sleep 601" in p for p in procs),
             f"processes() did not list them: {procs}")
