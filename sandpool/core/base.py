@@ -334,7 +334,9 @@ class Sandbox(abc.ABC):
         """What the rollout changed outside the repo and ``/tmp``, seen from outside the sandbox.
 
         Optional: the local backend reads an OCI sandbox's overlay upper layer on the host
-        (the whole root filesystem is an overlay there); the default returns None (unknown).
+        (the whole root filesystem is an overlay there); a pod whose agent is its
+        container's pid 1 (out of the policy's reach) lists what its pod can write; the
+        default returns None (unknown).
 
         Returns:
             None when unsupported; else ``(path, kind)`` pairs, ``kind`` one of ``added``

@@ -13,10 +13,10 @@ The property (not a list of cleanup steps) that a reset establishes and then ver
   has its own (:attr:`Sandbox.private_ipc`); kernel keyrings are out of every local
   sandbox's reach (its seccomp filter), so none can hold anything;
   where the backend sees the whole filesystem's changes (:meth:`Sandbox.changes_outside_repo`:
-  an OCI sandbox's root overlay), a path the rollout
-  *added* outside the repo and ``/tmp`` (a ``pip install``, a file under ``/root``) is removed,
-  and anything else it changed there (an edit in ``/etc``, a deleted or replaced image file)
-  fails the check;
+  an OCI sandbox's root overlay; a pod's writable mounts, listed by its agent), a path the
+  rollout *added* outside the repo and ``/tmp`` (a ``pip install``, a file under ``/root`` or
+  ``/dev``) is removed, and anything else it changed there (an edit in ``/etc``, a deleted or
+  replaced image file) fails the check;
 * no process of the rollout is left;
 * a long-lived service the sandbox runs beside the policy (the local backend's agent-server)
   is the process started with the sandbox, running, and its state is back to its fresh

@@ -28,6 +28,18 @@ Ops:
                 removed before anything is copied; trees of any depth (iterative, names
                 relative to an open directory). The host computed the list from the overlay's upper layer and
                 verifies the result; this op only does the work (``errnos``: each failure's).
+    writable    {skip: [abs, ...], times?: {path: [atime_ns, mtime_ns]}}
+                -> {entries: {path: desc}, times: {path: [atime_ns, mtime_ns] | status},
+                    root_writable, over}
+                every path on a writable mount (``/proc/self/mountinfo``) but those at or
+                below ``skip`` and on :data:`_KERNEL_FS`, described by type, mode, owner,
+                size, sha256 of the bytes (read without moving their atime where it may),
+                link target, device and extended attributes; a mount point below one is
+                described ("m " first), not entered. ``times``: each path's after the path
+                given one in the request was set back to it (a status instead, as
+                :func:`_set_times` says, where it could not be). ``root_writable``: ``/``
+                itself is writable (nothing is walked); ``over``: past :data:`_WRITABLE_MAX`
+                entries or bytes hashed (the listing stops there)
     seccomp     {program(b64)} -> {}: set no_new_privs and install ``program`` (classic BPF,
                 :mod:`sandpool.core.agent.seccomp`'s) on the agent's main thread, so every
                 thread and process it starts afterwards runs under it (served on the main
@@ -52,16 +64,19 @@ read its own cgroup's pid controller (a container's ``/sys/fs/cgroup``), it adds
 kernel counted: ``refused`` (the controller's count of refused forks in its group moved
 across the failed start: the group's pid limit refused it, not the machine's), ``tasks``
 (the group's tasks) and ``agent_tasks`` (its own threads); the host says whose it was.
-``ps``, ``kill_strays``, ``read_file``, ``write_file``, ``restore`` and ``scratch`` need no
-thread of their own: refused one, they are served on the main thread (nothing else is read
-meanwhile), so a sandbox whose processes hold every pid can still be emptied and reset.
+``ps``, ``kill_strays``, ``read_file``, ``write_file``, ``restore``, ``scratch`` and
+``writable`` need no thread of their own: refused one, they are served on the main thread
+(nothing else is read meanwhile), so a sandbox whose processes hold every pid can still be
+emptied and reset.
 """
 
 import base64
 import errno
 import fcntl
+import hashlib
 import json
 import os
+import re
 import select
 import signal
 import stat
@@ -647,6 +662,142 @@ def _restore(req):
     return {"failed": failed, "errnos": errnos}
 
 
+#: Entries, and bytes hashed, past which ``writable`` stops (a pod's runtime mounts hold few).
+_WRITABLE_MAX = (20000, 64 << 20)
+#: Kernel file systems ``writable`` leaves out: read-only in a container (sysfs, cgroup), or
+#: holding only what dies with its processes (proc) or what the reset empties (mqueue).
+_KERNEL_FS = frozenset({"proc", "sysfs", "cgroup", "cgroup2", "mqueue"})
+
+
+def _unescape(field):
+    # mountinfo writes a space, tab, newline and backslash of a path as \040, \011, \012, \134.
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def _open_noatime(path, flags):
+    # O_NOATIME (the owner's or CAP_FOWNER's): reading does not move what the listing records.
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_NOATIME)
+    except PermissionError:
+        return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _describe(path, st, budget):
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        return "l " + os.readlink(path)
+    head = "%s %o %d %d" % ("d" if stat.S_ISDIR(st.st_mode) else "f" if stat.S_ISREG(st.st_mode)
+                            else "o", mode, st.st_uid, st.st_gid)
+    if stat.S_ISREG(st.st_mode):
+        digest = hashlib.sha256()
+        budget[1] -= st.st_size
+        try:
+            if budget[1] >= 0:
+                with os.fdopen(_open_noatime(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+                    for chunk in iter(lambda: f.read(1 << 20), b""):
+                        digest.update(chunk)
+        except OSError as exc:  # compared as such (a mode the agent cannot read)
+            head += " unread:%d" % exc.errno
+        head += " %d %s" % (st.st_size, digest.hexdigest())
+    elif not stat.S_ISDIR(st.st_mode):
+        head += " %x %x" % (stat.S_IFMT(st.st_mode), st.st_rdev)
+    try:
+        names = sorted(os.listxattr(path, follow_symlinks=False))
+    except OSError:
+        names = []
+    for n in names:
+        try:
+            value = os.getxattr(path, n, follow_symlinks=False)
+        except OSError:
+            value = b"?"
+        head += " %s=%s" % (n, hashlib.sha256(value).hexdigest()[:16])
+    return head
+
+
+def _set_times(path, want):
+    """Make ``path``'s (atime_ns, mtime_ns) ``want``, as :func:`_set_dir_meta` does a
+    directory's: "set"; "refreshed" (not its owner: moved to now); "unwritable" (not even
+    that, or a read-only mount: the policy, of the agent's uid, could not move them either)."""
+    try:
+        os.utime(path, ns=(want[0], want[1]), follow_symlinks=False)
+        return "set"
+    except PermissionError:
+        try:
+            os.utime(path, follow_symlinks=False)
+            return "refreshed"
+        except OSError:
+            return "unwritable"
+    except OSError as exc:
+        if exc.errno == errno.EROFS:
+            return "unwritable"
+        raise
+
+
+def _writable(req):
+    skip = [s.rstrip("/") or "/" for s in req.get("skip") or []]
+    restore = req.get("times") or {}
+
+    def skipped(p):
+        return any(p == s or p.startswith(s + "/") for s in skip)
+
+    tops = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            pre, _, post = line.partition(" - ")
+            fields = pre.split()
+            point, opts, fstype = _unescape(fields[4]), fields[5].split(","), post.split()[0]
+            if "rw" not in opts or fstype in _KERNEL_FS or skipped(point):
+                continue
+            if point == "/":
+                return {"entries": {}, "times": {}, "root_writable": True, "over": False}
+            if point != "/proc" and not point.startswith("/proc/"):  # /dev/null over masked files
+                tops.append(point)
+    entries, budget = {}, [_WRITABLE_MAX[0], _WRITABLE_MAX[1]]
+    for top in sorted(set(tops)):  # a mount's own walk comes after its parent's "m"
+        todo = [(top, None)]
+        while todo:
+            path, dev = todo.pop()
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            budget[0] -= 1
+            if budget[0] < 0 or budget[1] < 0:
+                return {"entries": entries, "times": {}, "root_writable": False, "over": True}
+            if dev is not None and st.st_dev != dev:  # a mount point: described, not entered
+                entries[path] = "m " + _describe(path, st, budget)
+                continue
+            entries[path] = _describe(path, st, budget)
+            if stat.S_ISDIR(st.st_mode):
+                try:
+                    fd = _open_noatime(path, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        names = os.listdir(fd)
+                    finally:
+                        os.close(fd)
+                except OSError as exc:  # compared as such (a mode the agent cannot read)
+                    entries[path] += " unlisted:%d" % exc.errno
+                    names = []
+                for name in names:
+                    child = os.path.join(path, name)
+                    if not skipped(child):
+                        todo.append((child, st.st_dev))
+    times = {}
+    for path in entries:  # times last: the walk and the removals before it moved some
+        done = "set"
+        want = restore.get(path)
+        try:
+            st = os.lstat(path)
+            if want is not None and [st.st_atime_ns, st.st_mtime_ns] != want:
+                done = _set_times(path, want)
+                st = os.lstat(path)
+        except OSError as exc:
+            times[path] = "error: %s" % exc
+            continue
+        times[path] = [st.st_atime_ns, st.st_mtime_ns] if done == "set" else done
+    return {"entries": entries, "times": times, "root_writable": False, "over": budget[1] < 0}
+
+
 def _seccomp(req):
     import ctypes
 
@@ -759,11 +910,12 @@ def _scratch(req):
 
 _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps": _ps,
         "kill_strays": _kill_strays, "restore": _restore, "service": _service, "scratch": _scratch,
-        "seccomp": _seccomp}
+        "seccomp": _seccomp, "writable": _writable}
 
 
 #: Ops that start neither a thread nor a process: served on the main thread when refused one.
-_INLINE = frozenset({"ps", "kill_strays", "read_file", "write_file", "restore", "scratch"})
+_INLINE = frozenset({"ps", "kill_strays", "read_file", "write_file", "restore", "scratch",
+                     "writable"})
 
 
 def _open_pid_events():

@@ -46,6 +46,8 @@ class LiveSandboxes:
             per command.
         python: The interpreter command that runs the agent.
         attach: The agent is its container's pid 1, reached over attach (:mod:`._entrypoint`).
+        containers: The pods run containers (``agent_entrypoint``): a sandbox without its
+            agent there is never reset in place (:meth:`KubernetesSandbox.changes_outside_repo`).
         agent_timeout: Seconds the agent may take to say it is ready before the fallback.
         service: The service each sandbox starts before it is handed out, or None.
     """
@@ -65,9 +67,11 @@ class LiveSandboxes:
         agent_timeout: float,
         service: ServiceSpec | None,
         attach: bool = False,
+        containers: bool = False,
     ) -> None:
         self._http = http
         self._attach = attach
+        self._containers = containers
         self.namespace = namespace
         self.run_id = run_id
         self.container = container
@@ -122,6 +126,7 @@ class LiveSandboxes:
         sb.head = pi.head
         sb.image_id = image_identity(pod, self.container, pi.image, pi.head)
         sb.owner = owner
+        sb.in_container = self._containers
         self._by_id[sb.id] = sb
         self._by_pod[pod_name] = sb
         try:
@@ -140,6 +145,7 @@ class LiveSandboxes:
                     sb._mark_dead("its service did not start")
                     await sb._close_session()
                     raise
+            await sb.record_fresh()  # before any command of a rollout
         except BaseException:  # the caller deletes its object; this sandbox never was
             self._forget(sb)
             raise

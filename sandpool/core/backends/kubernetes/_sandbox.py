@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sandpool.core import changeset, errors
 from sandpool.core.agent.client import AgentOps, AgentStarved
 from sandpool.core.agent.sandbox import AgentSandbox
 from sandpool.core.backends.kubernetes._exec import ExecTarget, ShellExec
+from sandpool.core.backends.kubernetes._manifests import RUN_DIR
 from sandpool.core.backends.kubernetes._portforward import PortStream, open_port
 from sandpool.core.backends.kubernetes._service import IN_SERVICE_DIR, TREE, service_dir_argv
 from sandpool.core.backends.kubernetes._session import AgentSession
@@ -30,9 +32,23 @@ if TYPE_CHECKING:
 
 __all__ = ["KubernetesSandbox"]
 
+#: What a pod whose agent is its container's pid 1 (its root read-only) can write besides the
+#: repo and :data:`._manifests.RUN_DIR` that is its alone: emptied, and restored to its fresh
+#: metadata, by the reset (``/dev/shm`` and the mqueue are the pod's IPC namespace's).
+CONTAINED_SCRATCH = ("/tmp", "/dev/shm", "/dev/mqueue")
+#: What the agent's ``writable`` op says of a path's times it could not set back (see the op).
+_UNSET = ("refreshed", "unwritable")
 #: Seconds a sandbox whose agent's stream ended waits for the pod watch to say why (the
 #: kubelet reports a container's end within seconds); past it the end is a transport error.
 _DEATH_WAIT_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Listing:
+    """The agent's ``writable`` answer: each path's description, and its times."""
+
+    entries: dict[str, str]
+    times: dict[str, Any]
 
 
 class KubernetesSandbox(AgentSandbox):
@@ -78,6 +94,10 @@ class KubernetesSandbox(AgentSandbox):
         self._dead: str | None = None
         self._death_evidence: list[str] = []
         self._dead_event = asyncio.Event()
+        #: Its pod runs a container (the backend's ``agent_entrypoint``): what the pod can
+        #: write outside the repo is then held to :meth:`record_fresh`'s record by the reset.
+        self.in_container = False
+        self._outside: _Listing | None = None  # record_fresh's
         self._session: AgentSession | None = None
         self._shell = ShellExec(http, target)
         #: The build of the image its pod runs (``_live.image_identity``).
@@ -95,6 +115,80 @@ class KubernetesSandbox(AgentSandbox):
         assert session.client is not None, "attach a started session"
         session.client.name = self.id
         self._session = session
+        if session.attached:  # its container: a read-only root, an IPC namespace of its own
+            self.scratch = CONTAINED_SCRATCH
+            self.private_ipc = True
+
+    @property
+    def contained(self) -> bool:
+        """True when its agent is its container's pid 1 (``agent_entrypoint``): the pod's
+        root file system is read-only, and the reset checks every other place it can write
+        (:meth:`record_fresh`)."""
+        return self._session is not None and self._session.attached
+
+    def _outside_skip(self) -> list[str]:
+        # The repo and the scratch directories are the reset's own business, and so is the
+        # service's directory while it runs (its restore compares its tree).
+        svc = [f"{RUN_DIR}/service"] if self._service is not None else []
+        return [self.workdir, *self.scratch, *svc]
+
+    async def record_fresh(self, *, timeout: float = 60.0) -> None:
+        """Record, while the pod is fresh, what the reset compares outside the repo: the
+        scratch directories' own metadata (:meth:`record_scratch`) and every other path the
+        pod can write (the agent's ``writable`` listing: ``/dev``, ``/etc/hosts``, the
+        service's run directory...), times included. A no-op unless :attr:`contained`, or
+        when recorded already (:meth:`adopt_fresh`).
+
+        Raises:
+            SandboxStartError: The listing could not be taken (a writable root, or too much).
+        """
+        if not self.contained or self._outside is not None:
+            return
+        await self.record_scratch(timeout=timeout)
+        msg = await self._call("writable", timeout, skip=self._outside_skip())
+        if msg["root_writable"] or msg["over"]:
+            raise errors.SandboxStartError(
+                f"sandbox {self.id}: what its pod can write outside the repo cannot be recorded ("
+                f"{'its root file system is writable' if msg['root_writable'] else 'too many paths'})")
+        self._outside = _Listing(msg["entries"], msg["times"])
+
+    def adopt_fresh(self, source: KubernetesSandbox) -> None:
+        """Take the record :meth:`record_fresh` took through ``source``, another handle on
+        the same pod made before any rollout touched it (its warm pod's pre-opened session)."""
+        self._outside, self._scratch_record = source._outside, source._scratch_record
+
+    async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
+        """What changed since :meth:`record_fresh` among the paths the pod can write outside
+        the repo, the scratch directories and its running service's directory, listed by its
+        agent: ``added``, ``deleted`` or ``modified`` (type, mode, owner, bytes, link target,
+        extended attributes, or times it could not set back). First the agent sets every
+        recorded path's atime and mtime back to the record's, so no moment a rollout chose
+        survives (where it does not own a path, moved to now, as the scratch directories'
+        are). A listing that cannot be compared is one ``modified`` entry naming why.
+
+        Returns:
+            None on a pod that runs no container (kwok); the changes otherwise. A sandbox
+            :attr:`in_container` without its agent (the exec channel) answers one
+            ``modified`` entry: nothing can list its pod, so its reset never passes.
+        """
+        if self._outside is None:
+            if self.in_container:
+                return [("(not listed: its pod runs commands without sandpool's agent)", "modified")]
+            return None
+        fresh = self._outside
+        msg = await self._call("writable", 60.0, skip=self._outside_skip(),
+                               times={p: t for p, t in fresh.times.items() if isinstance(t, list)})
+        if msg["root_writable"] or msg["over"]:
+            why = "the root file system is writable" if msg["root_writable"] else "too many paths"
+            return [(f"(not comparable: {why})", "modified")]
+        now, times = msg["entries"], msg["times"]
+        changes = []
+        for p in sorted(set(now) | set(fresh.entries)):
+            if p not in fresh.entries or p not in now:
+                changes.append((p, "added" if p in now else "deleted"))
+            elif now[p] != fresh.entries[p] or times.get(p) not in (fresh.times.get(p), *_UNSET):
+                changes.append((p, "modified"))
+        return changes
 
     @property
     def channel(self) -> str:

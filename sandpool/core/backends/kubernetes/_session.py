@@ -105,6 +105,12 @@ class AgentSession:
         return bytes(self.channel.stderr_tail) if self.channel is not None else b""
 
     @property
+    def attached(self) -> bool:
+        """True when the agent is its container's pid 1, reached over attach
+        (:mod:`._entrypoint`): its pod's root file system is then read-only."""
+        return self._attach
+
+    @property
     def ended_cleanly(self) -> bool:
         """True once the stream ended without a transport error (see
         :attr:`PodExecChannel.ended_cleanly`)."""

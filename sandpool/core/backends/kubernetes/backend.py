@@ -121,14 +121,20 @@ class KubernetesBackend(Backend):
             the pod spec and reached with :meth:`KubernetesSandbox.connect_service`
             (:mod:`._service`). No ``binds``: no host directory is bound into a pod.
         disk_bytes: Cap in bytes on what a sandbox can write: its workdir (a copy of the
-            image's, counted) and ``/tmp`` live on a memory-backed volume of that size, and
-            the rest of the root file system is read-only
+            image's, counted), ``/tmp`` and its service's directory live on a memory-backed
+            volume of that size, and the rest of the root file system is read-only
             (:func:`._manifests.scratch_volume`); a write past it fails with ENOSPC inside
-            the pod. None: the image's root file system stays writable, with no cap.
+            the pod. None: no cap (with ``agent_entrypoint`` the same layout on the node's
+            disk; without, the image's root file system stays writable).
         agent_entrypoint: Make the agent its container's pid 1 (the container's command,
             reached over ``pods/attach``; :mod:`._entrypoint`), so no command of the policy
-            can signal it. Use it on any cluster whose nodes run containers; off, the agent
-            is exec'd into a container that sleeps (a kwok node runs no container command).
+            can signal it, and every pod's root file system read-only (repo, ``/tmp`` and
+            service directory on the scratch volume, see ``disk_bytes``); the in-place reset
+            holds the rest the pod can write (``/dev``, ``/etc/hosts``...) to its fresh record
+            (:meth:`KubernetesSandbox.changes_outside_repo`), and never passes on a pod
+            without the agent (``agent=False``, an image without Python). Use it on any
+            cluster whose nodes run containers; off, the agent is exec'd into a container
+            that sleeps (a kwok node runs no container command).
     """
 
     name = "kubernetes"
@@ -211,7 +217,8 @@ class KubernetesBackend(Backend):
                 limit=presessions, python=agent_python, timeout=agent_timeout, attach=attach)
         self._live = LiveSandboxes(
             http, ns, run, container, images, pod_watch, self._presessions, agent=agent,
-            python=agent_python, agent_timeout=agent_timeout, service=service, attach=attach)
+            python=agent_python, agent_timeout=agent_timeout, service=service, attach=attach,
+            containers=agent_entrypoint)
         self._pods = Pods(http, ns, run, images, pod_watch, ready_timeout)
         self._placement = Placement(http, ns, run, images, pod_watch)
         self._preflight = Preflight(
