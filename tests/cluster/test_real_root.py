@@ -19,6 +19,7 @@ import pytest
 from sandpool.core import Outcome, SandboxPool, Task, run_rollout
 from sandpool.core.backends.kubernetes import KubernetesBackend
 from sandpool.core.reset import record_pristine, reset_in_place
+from tests.waiting import until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
@@ -40,8 +41,9 @@ FIND = ("cat /dev/stash /run/sandpool/stash /dev/shm/stash 2>/dev/null;"
 
 
 def real_backend(cluster, namespace, real_node, **kw) -> KubernetesBackend:
+    kw.setdefault("mode", "pods")
     return KubernetesBackend(
-        cluster.kubeconfig, namespace=namespace, mode="pods", run_id=uuid.uuid4().hex[:8],
+        cluster.kubeconfig, namespace=namespace, run_id=uuid.uuid4().hex[:8],
         node_selector=real_node.node_selector, tolerations=list(real_node.tolerations),
         resources=LIMITS, ready_timeout=180, agent_entrypoint=True, **kw)
 
@@ -114,5 +116,36 @@ async def test_a_change_outside_the_repo_the_reset_cannot_undo_fails_it(
             assert "/dev/shm" not in str(outcome.problems), outcome
         else:
             assert not outcome.ok and "changed outside the repo" in str(outcome.problems), outcome
+    finally:
+        await backend.aclose()
+
+
+async def test_a_warm_pods_pre_opened_session_records_what_its_reset_compares(
+    cluster, namespace, real_node, real_images
+):
+    """A warm claim adopts the record taken through its pod's pre-opened session (its repo
+    and what it can write outside it), and the lease's reset holds the pod to it."""
+    task = Task.model_validate(json.loads(Path(real_images["task"]).read_text()))
+    backend = real_backend(cluster, namespace, real_node, mode="agent-sandbox", presessions=1)
+    try:
+        async with SandboxPool(backend, "warm") as pool:
+            await pool.prepare([task], concurrency=1)
+            pre = backend._presessions
+            await until(lambda: len(pre) == 1 and all(t.done() for t in pre.pending.values()),
+                        "a session opened and recorded on the warm pod")
+            opened = next(iter(pre.pending.values())).result()
+            assert opened is not None and opened.recorded is not None
+            async with pool.claim(task) as lease:
+                sb = lease.sandbox
+                assert sb._session is opened.session and backend.presessions_adopted == 1
+                assert sb._outside is opened.recorded._outside  # not listed again at the claim
+                fresh = (await lease.exec(TIMES, timeout=60)).text
+                assert (await lease.exec(STASH, timeout=60)).text.endswith("stashed\n")
+                await lease.reset()
+                assert lease.sandbox is sb, "the reset failed: the pod was replaced"
+                assert (await lease.exec(TIMES, timeout=60)).text == fresh  # FIND reads some
+                assert (await lease.exec(FIND, timeout=60)).text == (
+                    "[]\n/etc/hosts:0\n/dev/termination-log:0\n")
+            assert pool.counters.quarantines == 0
     finally:
         await backend.aclose()

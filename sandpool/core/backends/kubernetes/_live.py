@@ -191,6 +191,8 @@ class LiveSandboxes:
             pre = await self._presessions.take(sb.pod, sb.pod_uid)
             if pre is not None:
                 sb.attach(pre.session)
+                if pre.recorded is not None:  # then start's record_fresh has nothing to do
+                    sb.adopt_fresh(pre.recorded)
                 sb.recorded = pre.recorded is not None and adopt_record(sb, pre.recorded)
                 return
         session = AgentSession(self._http, sb._target, sb.id, self.python,

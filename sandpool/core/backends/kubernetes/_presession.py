@@ -10,8 +10,9 @@ Sandbox objects and so their pods are named ``<warm pool>-<suffix>`` by the cont
 keep that name when claimed.
 
 A pre-opened session is the agent of a pod no rollout has touched, so adopting it is the same
-as opening it at the claim. Through it the pod's pristine state is recorded too (and git's
-index refreshed), as the pool would right after the claim, so a warm claim is ready to
+as opening it at the claim. Through it the pod's pristine state is recorded too (its repo,
+and on a container node what it can write outside it, :meth:`KubernetesSandbox.record_fresh`;
+git's index refreshed), as the pool would right after the claim, so a warm claim is ready to
 run the rollout's first command. One whose pod is deleted, replaced or not adopted by close
 is closed. On kwok each session is a host process (about 10 MB), hence the bound, which
 grows with the warm targets the pool announces (:meth:`Presessions.announce`).
@@ -164,6 +165,7 @@ class Presessions:
         probe.head = self._images.resolve(image).head
         probe.attach(session)
         try:
+            await probe.record_fresh(timeout=self.timeout)  # a contained pod's outside, first
             await record_pristine(probe, refresh_index=True, timeout=self.timeout)
         except Exception as exc:  # noqa: BLE001 - the pool records it after the claim then
             log.debug("recording pod %s before its claim failed: %s", target.pod, exc)
