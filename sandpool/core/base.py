@@ -223,6 +223,32 @@ class Sandbox(abc.ABC):
         """
         return None
 
+    async def repo_times(self, restore: Mapping[str, list[int]] | None = None, *,
+                         skip: tuple[str, ...] = (), timeout: float = 60.0
+                         ) -> dict[str, list[int] | str] | None:
+        """The access and modification times of every path in the repo, read without moving
+        them; with ``restore``, after setting each path it names back to those times.
+
+        Optional: a sandbox with sandpool's agent inside implements it (its ``times`` op);
+        the default returns None. The generic in-place reset (:mod:`sandpool.core.reset`)
+        records them fresh and sets them back, as times are state: a rollout can write 62
+        bits into each file's (``touch -a`` to a future time, which reading never moves).
+
+        Args:
+            restore: ``"./<path>"`` (``"."``: the repo itself) -> ``[atime_ns, mtime_ns]``.
+            skip: Paths, named the same way, left out (with what is below them).
+            timeout: Seconds the walk may take.
+
+        Returns:
+            None when unsupported; else every path -> ``[atime_ns, mtime_ns]``, or where
+            they could not be set a status: ``"refreshed"`` (not the sandbox's own file:
+            moved to now), ``"unwritable"``, ``"error: ..."``.
+
+        Raises:
+            SandboxDied, ExecTransportError: As for :meth:`exec`.
+        """
+        return None
+
     async def pin_repo_state(self, paths: list[str]) -> None:
         """Take the current state of repo files ``paths`` as pristine for later restores.
 

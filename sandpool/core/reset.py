@@ -33,7 +33,9 @@ How "identical" is established depends on what the backend can see from outside 
   target) and a copy of ``.git`` without its object store are recorded by :func:`record_pristine`
   when the sandbox is fresh and kept in this process, where the policy cannot write; the reset
   rebuilds ``.git`` from that copy, removes added objects, restores the tree with git, and
-  compares a new manifest with the recorded one. O(repo); mtimes are not compared.
+  compares a new manifest with the recorded one; then, where the sandbox reads them without
+  moving them (:meth:`Sandbox.repo_times`: its agent), every path's access and modification
+  times are set back to the recorded ones and checked. O(repo).
 
 After the check passes, sandpool's own git commands (hooks off, the now-pristine config) check
 out the commit the next claim asks for and refresh git's index (its stat cache), the same steps
@@ -48,7 +50,9 @@ import base64
 import shlex
 import uuid
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from sandpool.core.base import Sandbox
 from sandpool.core.errors import InfraError, InfraTimeout, InputError, ResetError
@@ -249,6 +253,7 @@ class Pristine:
     hashes: tuple[str, ...]  # "<sha256>  <path>" per regular file
     git_meta: bytes  # tar of .git without its object files
     stats: tuple[str, ...] = ()  # "<ctime> <size> <path>" per path (find's %C@ %s %p)
+    times: Mapping[str, Any] | None = None  # Sandbox.repo_times of the fresh repo, or None
 
 
 def pristine_record(sandbox: Sandbox) -> Pristine | None:
@@ -258,6 +263,9 @@ def pristine_record(sandbox: Sandbox) -> Pristine | None:
 
 _records: weakref.WeakKeyDictionary[Sandbox, Pristine] = weakref.WeakKeyDictionary()
 _OWN = " -o ".join(f"-path ./{p}" for p in _OWN_GIT_PATHS)
+_OWN_TIMES = tuple(f"./{p}" for p in _OWN_GIT_PATHS)
+#: What Sandbox.repo_times says of a path's times it could not set back (its own answer).
+_UNSET = ("refreshed", "unwritable")
 _LIST = f"find {{root}} \\( {_OWN} \\) -prune -o -printf '%y %m %p -> %l\\n' | LC_ALL=C sort"
 _HASH = (f"find {{root}} \\( {_OWN} \\) -prune -o -type f -print0 | LC_ALL=C sort -z"
          " | xargs -0 -r sha256sum --")
@@ -340,7 +348,9 @@ async def _record(sandbox: Sandbox, timeout: float) -> None:
     if not res.ok or len(parts) != 4:
         raise ResetError(f"sandbox {sandbox.id}: cannot record its fresh repo: {res.err_text.strip()[:300]}")
     paths, hashes = _split(parts[0] + _SEP + "\n" + parts[1])
-    _records[sandbox] = Pristine(paths, hashes, base64.b64decode(parts[3]), tuple(parts[2].splitlines()))
+    times = await sandbox.repo_times(skip=_OWN_TIMES, timeout=timeout)  # after the reads
+    _records[sandbox] = Pristine(paths, hashes, base64.b64decode(parts[3]),
+                                 tuple(parts[2].splitlines()), times)
 
 
 async def _generic_restore(sandbox: Sandbox, under: str, timeout: float) -> list[str]:
@@ -386,6 +396,14 @@ async def _generic_restore(sandbox: Sandbox, under: str, timeout: float) -> list
         if now_u != want_u:
             problems.append(f"{what} differ from the fresh repo: unexpected {sorted(now_u - want_u)[:3]},"
                             f" missing {sorted(want_u - now_u)[:3]}")
+    if rec.times is not None and not problems:  # last: the restore and the hashing move some
+        prefix = f"./{under}"
+        want_t = {p: t for p, t in rec.times.items() if isinstance(t, list)
+                  and (not under or p == prefix or p.startswith(prefix + "/"))}
+        got = await sandbox.repo_times(want_t, skip=_OWN_TIMES, timeout=timeout) or {}
+        if moved := sorted(p for p, t in want_t.items() if got.get(p) not in (t, *_UNSET)):
+            problems.append(f"times could not be set back to the fresh repo's: {moved[:3]}"
+                            f" ({[got.get(p) for p in moved[:3]]})")
     return problems
 
 

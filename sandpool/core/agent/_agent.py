@@ -40,6 +40,10 @@ Ops:
                 :func:`_set_times` says, where it could not be). ``root_writable``: ``/``
                 itself is writable (nothing is walked); ``over``: past :data:`_WRITABLE_MAX`
                 entries or bytes hashed (the listing stops there)
+    times       {root, skip?: [rel, ...], restore?: {rel: [atime_ns, mtime_ns]}}
+                -> {times: {rel: [atime_ns, mtime_ns] | status}}: every path under ``root``
+                ("." and "./<path>", as ``find .``), its times after those given were set back
+                (a status where they could not be, as for ``writable``); see :func:`_times`
     seccomp     {program(b64)} -> {}: set no_new_privs and install ``program`` (classic BPF,
                 :mod:`sandpool.core.agent.seccomp`'s) on the agent's main thread, so every
                 thread and process it starts afterwards runs under it (served on the main
@@ -64,8 +68,8 @@ read its own cgroup's pid controller (a container's ``/sys/fs/cgroup``), it adds
 kernel counted: ``refused`` (the controller's count of refused forks in its group moved
 across the failed start: the group's pid limit refused it, not the machine's), ``tasks``
 (the group's tasks) and ``agent_tasks`` (its own threads); the host says whose it was.
-``ps``, ``kill_strays``, ``read_file``, ``write_file``, ``restore``, ``scratch`` and
-``writable`` need no thread of their own: refused one, they are served on the main thread
+``ps``, ``kill_strays``, ``read_file``, ``write_file``, ``restore``, ``scratch``,
+``writable`` and ``times`` need no thread of their own: refused one, they are served on the main thread
 (nothing else is read meanwhile), so a sandbox whose processes hold every pid can still be
 emptied and reset.
 """
@@ -770,11 +774,7 @@ def _writable(req):
             entries[path] = _describe(path, st, budget)
             if stat.S_ISDIR(st.st_mode):
                 try:
-                    fd = _open_noatime(path, os.O_RDONLY | os.O_DIRECTORY)
-                    try:
-                        names = os.listdir(fd)
-                    finally:
-                        os.close(fd)
+                    names = _listdir_noatime(path)
                 except OSError as exc:  # compared as such (a mode the agent cannot read)
                     entries[path] += " unlisted:%d" % exc.errno
                     names = []
@@ -796,6 +796,46 @@ def _writable(req):
             continue
         times[path] = [st.st_atime_ns, st.st_mtime_ns] if done == "set" else done
     return {"entries": entries, "times": times, "root_writable": False, "over": budget[1] < 0}
+
+
+def _listdir_noatime(path):
+    fd = _open_noatime(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return os.listdir(fd)
+    finally:
+        os.close(fd)
+
+
+def _times(req):
+    """Every path under ``root`` (itself ".", the rest "./<relative>", as ``find .`` names
+    them) but those in ``skip``, with its [atime_ns, mtime_ns] after those in ``restore`` were
+    set back (:func:`_set_times`, whose status replaces the pair where it could not); lstat
+    only, a directory listed before its own times are set, so nothing but a set moves one.
+    Iterative: any depth."""
+    root = req["root"]
+    skip = frozenset(req.get("skip") or ())
+    restore = req.get("restore") or {}
+    out, todo = {}, ["."]
+    while todo:
+        rel = todo.pop()
+        path = root if rel == "." else os.path.join(root, rel[2:])
+        try:
+            st = os.lstat(path)
+            if stat.S_ISDIR(st.st_mode):
+                for name in _listdir_noatime(path):
+                    child = ("./" if rel == "." else rel + "/") + name
+                    if child not in skip:
+                        todo.append(child)
+            done = "set"
+            want = restore.get(rel)
+            if want is not None and [st.st_atime_ns, st.st_mtime_ns] != want:
+                done = _set_times(path, want)
+            st = os.lstat(path)
+        except OSError as exc:
+            out[rel] = "error: %s" % exc
+            continue
+        out[rel] = [st.st_atime_ns, st.st_mtime_ns] if done == "set" else done
+    return {"times": out}
 
 
 def _seccomp(req):
@@ -910,12 +950,12 @@ def _scratch(req):
 
 _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps": _ps,
         "kill_strays": _kill_strays, "restore": _restore, "service": _service, "scratch": _scratch,
-        "seccomp": _seccomp, "writable": _writable}
+        "seccomp": _seccomp, "writable": _writable, "times": _times}
 
 
 #: Ops that start neither a thread nor a process: served on the main thread when refused one.
 _INLINE = frozenset({"ps", "kill_strays", "read_file", "write_file", "restore", "scratch",
-                     "writable"})
+                     "writable", "times"})
 
 
 def _open_pid_events():

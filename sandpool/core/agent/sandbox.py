@@ -15,7 +15,7 @@ A backend's sandbox adds only its lifecycle: how its agent is started and reache
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import PurePosixPath
 from typing import TypeVar
 
@@ -150,6 +150,17 @@ class AgentSandbox(Sandbox):
         (``failed``, ``errnos``: :meth:`AgentClient.restore`)."""
         return await self._guarded(
             lambda _: self._client().restore(self.workdir, image, changes, pinned, timeout))
+
+    async def repo_times(self, restore: Mapping[str, list[int]] | None = None, *,
+                         skip: tuple[str, ...] = (), timeout: float = 60.0
+                         ) -> dict[str, list[int] | str] | None:
+        """Through the agent's ``times`` op (directories listed with O_NOATIME where it
+        may); see :meth:`Sandbox.repo_times`. None in a degraded mode without the agent."""
+        if not isinstance(self._ops(), AgentClient):
+            return None
+        msg = await self._call("times", timeout, root=self.workdir, skip=list(skip),
+                               restore=dict(restore or {}))
+        return msg["times"]
 
     # -- the scratch directories -------------------------------------------------------------
 
