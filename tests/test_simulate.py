@@ -60,4 +60,6 @@ def test_bench_simulate_prints_predictions_marked_as_predicted(tmp_path, monkeyp
     result = CliRunner().invoke(app, ["bench", "--simulate", "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "PREDICTED" in result.output and "within 20 %" in result.output
+    # Each column names what it predicts: the shape, the clusters, the rate for the study.
+    assert "reuse 8x2 1c" in result.output and "pods 1000x4 adaptive" in result.output
     assert (tmp_path / "simulate.json").exists() and (tmp_path / "simulate_ttfc_cdf.png").exists()

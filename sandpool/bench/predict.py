@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> str:
     text = "\n\n".join([
         "model error on the shapes measured on the local (kwok) cluster", render(rows),
         summary(preds), "pods 1000x4 on an API server of 4 write seats: fixed vs adaptive rate",
-        summary(study)])
+        summary(study, ["pods 1000x4 fixed", "pods 1000x4 adaptive"])])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "simulate.txt").write_text(text + "\n")
     (args.out / "simulate.json").write_text(json.dumps(

@@ -474,8 +474,9 @@ def with_params(p: SimParams, **kw: Any) -> SimParams:
     return replace(p, **kw)
 
 
-def summary(results: list[SimResult]) -> str:
-    """The table of a k8s_burst run, for predicted results (marked so)."""
+def summary(results: list[SimResult], labels: list[str] | None = None) -> str:
+    """The table of a k8s_burst run, for predicted results (marked so); each column headed
+    by its mode, shape and clusters, or by ``labels``."""
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1000:.0f}"
 
@@ -494,8 +495,9 @@ def summary(results: list[SimResult]) -> str:
         ("windows", lambda r: str(r.windows)),
         ("wall time (s)", lambda r: f"{r.wall_s:.1f}"),
     ]
-    head = [f"{r.mode}/{r.clusters}c" for r in results]
+    head = labels or [f"{r.mode} {r.images}x{r.rollouts} {r.clusters}c" for r in results]
+    width = max(14, *(len(h) + 2 for h in head))
     lines = ["PREDICTED (discrete-event model, not a run)",
-             f"{'':<26}" + "".join(f"{h:>14}" for h in head)]
-    lines += [f"{label:<26}" + "".join(f"{fn(r):>14}" for r in results) for label, fn in rows]
+             f"{'':<26}" + "".join(f"{h:>{width}}" for h in head)]
+    lines += [f"{label:<26}" + "".join(f"{fn(r):>{width}}" for r in results) for label, fn in rows]
     return "\n".join(lines)
