@@ -10,6 +10,7 @@ the flow scores it 0, scores it at all, or lets nothing through.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, run_rollout
@@ -203,3 +204,98 @@ async def test_a_fix_hidden_in_access_times_crosses_a_reset_that_ignores_them_an
                                      _take_the_hidden_fix, one_sandbox=True)
     assert solved.sandbox_id == copied.sandbox_id and (solved.reward, _FOUND) == (1.0, [False])
     assert (copied.outcome, copied.reward) == (Outcome.COMPLETED, 0.0), copied
+
+
+# -- a fix passed between concurrent siblings through file locks ---------------------------------
+
+_FILES = "sorted(p for p in (os.path.join(r, n) for r, _, fs in os.walk('/usr/share') for n in fs)" \
+         " if os.path.isfile(p) and not os.path.islink(p))[:4096]"
+# Holds a shared flock on file i of the list for each bit i set (the fix, compressed, behind its
+# length), and an open-file-description lock whose byte range is a marker, until stdin closes.
+_HOLD = f"""
+import fcntl, os, struct, sys, zlib
+files = {_FILES}
+data = zlib.compress(sys.stdin.buffer.read(), 9)
+data = len(data).to_bytes(2, "big") + data
+held = []
+for i in range(8 * len(data)):
+    if data[i // 8] >> (7 - i % 8) & 1:
+        fd = os.open(files[i], os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        held.append(fd)
+mark = os.open("/tmp/mark", os.O_RDWR | os.O_CREAT)
+fcntl.fcntl(mark, fcntl.F_OFD_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 0x5A4D90D, 1, 0))
+open("/tmp/holding", "w").close()
+import time
+time.sleep(600)
+"""
+# A bit is set where an exclusive flock of the file is refused: another sandbox holds it.
+_PROBE = f"""
+import fcntl, os, zlib
+files = {_FILES}
+
+def bit(i):
+    fd = os.open(files[i], os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return 0
+    except BlockingIOError:
+        return 1
+    finally:
+        os.close(fd)
+
+def read(n, at):
+    return bytes(sum(bit(8 * (at + k) + j) << (7 - j) for j in range(8)) for k in range(n))
+
+size = int.from_bytes(read(2, 0), "big")
+seen = str(0x5A4D90D) in open("/proc/locks").read()
+print("marker" if seen else "no-marker")
+if 0 < size < 500:
+    open("/tmp/found.patch", "wb").write(zlib.decompress(read(size, 2)))
+"""
+
+
+async def _siblings(backend, task: Task) -> tuple:
+    """Two concurrent rollouts: one solves and holds its fix in locks until the other (which
+    does no work of its own) has looked; (solver's record, copier's record, what it saw)."""
+    holding, looked = asyncio.Event(), asyncio.Event()
+    seen: list[str] = []
+
+    async def solve_and_hold(lease) -> None:
+        await _apply(lease, task.patch)
+        await lease.write_file("/tmp/hold.py", _HOLD.encode())
+        hold = asyncio.create_task(lease.exec("git diff | python /tmp/hold.py", timeout=600))
+        while not (await lease.exec("test -e /tmp/holding", timeout=30)).ok:
+            assert not hold.done(), hold.result()
+        holding.set()
+        await looked.wait()
+        hold.cancel()
+
+    async def copy_the_sibling(lease) -> None:
+        await holding.wait()
+        await lease.write_file("/tmp/probe.py", _PROBE.encode())
+        res = await lease.exec("python /tmp/probe.py && git apply /tmp/found.patch", timeout=300)
+        seen.append(res.text.strip() + (" applied" if res.ok else ""))
+        looked.set()
+
+    async with SandboxPool(backend, "reuse") as pool:
+        solver, copier = await asyncio.gather(*(
+            run_rollout(pool, task, ep, grader=DiffGrader(timeout=120), rollout=i, retries=0)
+            for i, ep in enumerate((solve_and_hold, copy_the_sibling))))
+    return solver, copier, seen
+
+
+async def test_a_fix_passed_between_siblings_in_file_locks_crosses_shared_inodes_and_not_ours(
+        test_images_root, calc_task, monkeypatch):
+    from sandpool.core.backends.local import _views
+
+    with monkeypatch.context() as m:  # every sandbox bound the host's own inodes, /proc/locks shown
+        m.setattr(_views, "mount", lambda where, sources: {})
+        m.setattr(_views, "devices", lambda where: [])
+        solver, copier, seen = await _siblings(LocalBackend(test_images_root), calc_task)
+    assert solver.sandbox_id != copier.sandbox_id and seen == ["marker applied"], (seen, solver)
+    assert (copier.outcome, copier.reward) == (Outcome.COMPLETED, 1.0), "the trick should leak"
+
+    solver, copier, seen = await _siblings(LocalBackend(test_images_root), calc_task)
+    assert (solver.reward, seen) == (1.0, ["no-marker"]), (solver, seen)
+    assert (copier.outcome, copier.reward) == (Outcome.COMPLETED, 0.0), copier

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sandpool.core.agent.client import AGENT_PATH
 from sandpool.core.backends.local import _idmap
+from sandpool.core.backends.local._views import MASKED
 from sandpool.core.base import ResourceLimits
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from sandpool.core.service import ServiceSpec
 
 __all__ = ["AGENT", "AGENT_IN_SANDBOX", "IMAGE_IN_SANDBOX", "SCRATCH", "SERVICE_DIR",
-           "bwrap_argv", "write_etc"]
+           "bwrap_argv", "host_sources", "write_etc"]
 
 #: The service's own writable directory inside the sandbox (a host directory per sandbox,
 #: ``LocalSandbox.service_dir``); it is its working directory.
@@ -29,9 +30,26 @@ IMAGE_IN_SANDBOX = "/opt/sandpool/image"
 SANDBOX_UID = _idmap.SANDBOX_UID
 
 
+_ETC_FROM_HOST = ("ld.so.cache", "ssl", "alternatives", "localtime", "mime.types")
+_TOPS = ("bin", "sbin", "lib", "lib32", "lib64")
+
+
+def host_sources(img: LocalImage, etc: Path, service: ServiceSpec | None = None) -> list[str]:
+    """Every host path :func:`bwrap_argv` binds read-only into a sandbox of ``img`` (to be
+    seen through views of the sandbox's own: ``_views``)."""
+    tops = [Path("/") / t for t in _TOPS]
+    out = ["/usr", *(str(t) for t in tops if t.is_dir() and not t.is_symlink())]
+    out += [str(etc / n) for n in ("passwd", "group", "hosts")]
+    out += [f"/etc/{n}" for n in _ETC_FROM_HOST]
+    out += [img.python_prefix, img.venv, img.repo, str(AGENT)]
+    out += [host for host, _ in (service.binds if service is not None else ())]
+    return out
+
+
 def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, merged: Path,
            tmp: Path | None, work_fds: Sequence[int] = (), service: ServiceSpec | None = None,
-           service_dir: Path | None = None) -> list[str]:
+           service_dir: Path | None = None, views: Mapping[str, str] | None = None,
+           devices: Sequence[str] = ()) -> list[str]:
     """The bubblewrap argv of a sandbox of image directory ``img`` (see the package docstring).
 
     Args:
@@ -46,7 +64,15 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
         service: The backend's service, whose binds are added with ``service_dir`` at
             :data:`SERVICE_DIR`.
         service_dir: The host directory of the sandbox's service.
+        views: What to bind instead of each of :func:`host_sources` (``_views.mount``: its
+            own inodes), and an ``"empty"`` file bound over ``_views.MASKED``.
+        devices: Options binding the sandbox's own device nodes (``_views.devices``).
     """
+    views = views or {}
+
+    def ro(source: str | Path) -> str:
+        return views.get(str(source), str(source))
+
     venv_bin = f"{img.venv}/bin"
     argv = [
         bwrap,
@@ -62,33 +88,35 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
         "--assert-userns-disabled",
         "--hostname", "sandbox",
         "--clearenv",
-        "--ro-bind", "/usr", "/usr",
+        "--ro-bind", ro("/usr"), "/usr",
     ]
-    for top in ("bin", "sbin", "lib", "lib32", "lib64"):
+    for top in _TOPS:
         host = Path("/") / top
         if host.is_symlink():
             argv += ["--symlink", os.readlink(host), f"/{top}"]
         elif host.exists():
-            argv += ["--ro-bind", str(host), f"/{top}"]
+            argv += ["--ro-bind", ro(host), f"/{top}"]
     for name in ("passwd", "group", "hosts"):
-        argv += ["--ro-bind", str(etc / name), f"/etc/{name}"]
-    for name in ("ld.so.cache", "ssl", "alternatives", "localtime", "mime.types"):
-        argv += ["--ro-bind-try", f"/etc/{name}", f"/etc/{name}"]
+        argv += ["--ro-bind", ro(etc / name), f"/etc/{name}"]
+    for name in _ETC_FROM_HOST:
+        argv += ["--ro-bind-try", ro(f"/etc/{name}"), f"/etc/{name}"]
     argv += [
         "--proc", "/proc",
+        *(a for path in MASKED if "empty" in views for a in ("--ro-bind", views["empty"], path)),
         "--dev", "/dev",
+        *devices,
         "--tmpfs", "/dev/shm",
         "--mqueue", "/dev/mqueue",
         *(["--bind", str(tmp), "/tmp"] if tmp else ["--tmpfs", "/tmp"]),
-        "--ro-bind", img.python_prefix, img.python_prefix,
-        "--ro-bind", img.venv, img.venv,
+        "--ro-bind", ro(img.python_prefix), img.python_prefix,
+        "--ro-bind", ro(img.venv), img.venv,
         "--bind", str(merged), img.workdir,
-        "--ro-bind", img.repo, IMAGE_IN_SANDBOX,
-        "--ro-bind", str(AGENT), AGENT_IN_SANDBOX,
+        "--ro-bind", ro(img.repo), IMAGE_IN_SANDBOX,
+        "--ro-bind", ro(AGENT), AGENT_IN_SANDBOX,
     ]
     if service is not None and service_dir is not None:
         for host, dest in service.binds:
-            argv += ["--ro-bind", host, dest]
+            argv += ["--ro-bind", ro(host), dest]
         argv += ["--bind", str(service_dir), SERVICE_DIR]
     # The agent puts each command into the work cgroup (its pid and memory budget) through
     # descriptors the host opened: no cgroup file is visible inside, so the policy can neither

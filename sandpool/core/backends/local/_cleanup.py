@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from sandpool.core.backends.local import _cgroup, _idmap, _oci, _quota
+from sandpool.core.backends.local import _cgroup, _idmap, _oci, _quota, _views
 from sandpool.core.mounts import umount as _umount
 
 __all__ = ["reap_stale", "unmount_sandbox"]
@@ -28,6 +28,7 @@ def unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
     _umount(state / "lower")
     root = _oci.public_dir(run_id) / sid
     _oci.unmount_views(root)
+    _views.unmount(root)
     if _idmap.unpublish(root):  # never recursively through a bind still mounted
         shutil.rmtree(root, ignore_errors=True)
     _quota.detach(state / "disk", state / "disk.img")

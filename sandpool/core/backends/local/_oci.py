@@ -40,19 +40,20 @@ import stat
 import struct
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from sandpool.core import errors
 from sandpool.core.backends.local._idmap import as_host_id, disable_nested_userns, unpublish
 from sandpool.core.backends.local._idrange import IdRange
+from sandpool.core.backends.local._views import MASKED
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
 from sandpool.core.mounts import bind_ro, mount_overlay, umount
 
 __all__ = ["IMAGE_IN_SANDBOX", "PUBLIC_ROOT", "bwrap_argv", "changes_outside", "host_python",
-           "map_ids", "prepare_host", "public_dir", "release_host", "skeleton", "unmount_views",
-           "views"]
+           "host_sources", "map_ids", "prepare_host", "public_dir", "release_host", "skeleton",
+           "unmount_views", "views"]
 
 _SP = "/.sandpool"
 #: Where an OCI sandbox sees its image's pristine repo, read-only (the source of in-place
@@ -123,6 +124,12 @@ def skeleton(run_dir: Path) -> Path:
     os.chmod(skel / "tmp", 0o1777)
     ready.touch()
     return skel
+
+
+def host_sources(pub: Path) -> list[str]:
+    """Every host path :func:`bwrap_argv` binds read-only into an OCI sandbox of the run whose
+    public directory is ``pub`` (to be seen through views of the sandbox's own: ``_views``)."""
+    return ["/usr", str(host_python()[0]), str(pub / "host" / "agent.py")]
 
 
 def views(store: ImageStore, img: OciImage, skel: Path, where: Path, ids: IdRange) -> tuple[list[Path], Path]:
@@ -201,9 +208,16 @@ def release_host(pub: Path) -> None:
 
 def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path,
                block_fd: int, info_fd: int, seccomp_fd: int, host_id: int,
-               work_fds: Sequence[int] = (), view: Path | None = None) -> list[str]:
-    """The bubblewrap command line of one OCI sandbox (see the module docstring)."""
-    _, py_argv = host_python()
+               work_fds: Sequence[int] = (), view: Path | None = None,
+               views: Mapping[str, str] | None = None, devices: Sequence[str] = ()) -> list[str]:
+    """The bubblewrap command line of one OCI sandbox (see the module docstring).
+
+    ``views`` maps each of :func:`host_sources` to what to bind instead (``_views.mount``: its
+    own inodes, and an ``"empty"`` file bound over ``_views.MASKED``); ``devices`` binds the
+    sandbox's own device nodes (``_views.devices``).
+    """
+    views = views or {}
+    prefix, py_argv = host_python()
     env = dict(e.split("=", 1) for e in img.env if "=" in e)
     env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     env.setdefault("HOME", "/root" if img.uid == 0 else "/tmp")
@@ -228,14 +242,17 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         "--clearenv",
         "--bind", str(root), "/",
         "--proc", "/proc",
+        *(a for path in MASKED if "empty" in views for a in ("--ro-bind", views["empty"], path)),
         "--dev", "/dev",
+        *devices,
         # World-writable and sticky, as on any Linux host: a non-root User can use POSIX shm,
         # and the reset can refresh its times (the agent does not own it then).
         "--perms", "1777", "--tmpfs", "/dev/shm",
         "--mqueue", "/dev/mqueue",
-        "--ro-bind", "/usr", f"{_SP}/usr",
-        "--ro-bind", str(pub / "host" / "python"), f"{_SP}/python",
-        "--ro-bind", str(pub / "host" / "agent.py"), _AGENT_IN,
+        "--ro-bind", views.get("/usr", "/usr"), f"{_SP}/usr",
+        "--ro-bind", views.get(str(prefix), str(pub / "host" / "python")), f"{_SP}/python",
+        "--ro-bind", views.get(str(pub / "host" / "agent.py"), str(pub / "host" / "agent.py")),
+        _AGENT_IN,
     ]
     repo_view = view / img.repo_dir.lstrip("/") if view is not None else None
     if repo_view is not None and (repo_view / ".git").is_dir():

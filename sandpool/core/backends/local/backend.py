@@ -15,8 +15,8 @@ from pathlib import Path
 
 from sandpool.core import errors
 from sandpool.core.agent import seccomp as _seccomp
-from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _snapshot
-from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, write_etc
+from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _snapshot, _views
+from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, host_sources, write_etc
 from sandpool.core.backends.local._cleanup import reap_stale, unmount_sandbox
 from sandpool.core.backends.local.image import LocalImage, image_dir, load_image
 from sandpool.core.backends.local.sandbox import LocalSandbox
@@ -217,9 +217,12 @@ class LocalBackend(Backend):
                 lowers, view = await _offload_ret(_oci.views, self.store, img,
                                                   _oci.skeleton(self._run_dir), pub / sid, ids)
                 mount_overlay(lowers, upper, work, root)
+                views = await _offload_ret(_views.mount, pub / sid, _oci.host_sources(pub))
+                devices = await _offload_ret(_views.devices, pub / sid)
                 argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
                                        block_fd=block_r, info_fd=info_w, seccomp_fd=seccomp_r,
-                                       host_id=ids.base, work_fds=work_fds, view=view)
+                                       host_id=ids.base, work_fds=work_fds, view=view,
+                                       views=views, devices=devices)
             else:
                 merged, lower = state / "merged", state / "lower"
                 merged.mkdir()
@@ -242,9 +245,13 @@ class LocalBackend(Backend):
                 if self.service is not None:
                     svc.mkdir()
                     os.chown(svc, user, user)
-                argv = _idmap.publish_binds(bwrap_argv(self.bwrap, self.limits, img, etc, merged, tmp,
-                                                       work_fds, self.service, svc)[1:],
-                                            _oci.public_dir(self.run_id) / sid, user)
+                # What it sees of the host, through inodes of its own (no lock crosses sandboxes).
+                pub = _oci.public_dir(self.run_id) / sid
+                views = await _offload_ret(_views.mount, pub, host_sources(img, etc, self.service))
+                devices = await _offload_ret(_views.devices, pub)
+                argv = bwrap_argv(self.bwrap, self.limits, img, etc, merged, tmp, work_fds,
+                                  self.service, svc, views, devices)
+                argv = _idmap.publish_binds(argv[1:], pub, user)
                 argv = [*_idmap.as_host_id(user), self.bwrap, "--userns-block-fd", str(block_r),
                         "--info-fd", str(info_w), "--seccomp", str(seccomp_r), *argv]
             stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
