@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, run_rollout
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.task import Task
@@ -89,6 +91,69 @@ async def test_expected_failures_the_tests_declare_still_count_as_passed(test_im
 
     [result] = await _rollouts(LocalBackend(test_images_root), task, gold)
     assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result
+
+
+# -- the verdict's own checks switched off by name, from the code under test ------------------
+
+# Each one makes every test pass without running it, and keeps the verdict from saying so.
+_OFF_BY_NAME = {
+    # The plugin's module by its name prefix, its checks emptied, then pytest's runner patched.
+    "the plugin's module state": """
+import sys
+if "pytest" in sys.modules:
+    for _name, _m in list(sys.modules.items()):
+        if _name.startswith("_sandpool_verdict_"):
+            _m._WATCHED, _m._RUN_HOOKS, _m._ITEMS = [], (), {}
+            _m.tampered = lambda what: None
+    import _pytest.python
+    _pytest.python.Function.runtest = lambda self: None
+""",
+    # The report's encoder, rebound to drop the list of what changed.
+    "json.dumps": """
+import sys
+if "pytest" in sys.modules:
+    import json
+    _dumps = json.dumps
+    def dumps(obj, *a, **k):
+        if isinstance(obj, dict) and obj.get("ev") == "finish":
+            obj = dict(obj, changed=[])
+        return _dumps(obj, *a, **k)
+    json.dumps = dumps
+    import _pytest.python
+    _pytest.python.Function.runtest = lambda self: None
+""",
+    # pluggy's hook caller, which no watched module of pytest's defines: the tests never run.
+    "pluggy's HookCaller": """
+import sys
+if "pytest" in sys.modules:
+    import pluggy
+    _call = pluggy.HookCaller.__call__
+    def __call__(self, *args, **kwargs):
+        return [] if self.name == "pytest_runtest_call" else _call(self, *args, **kwargs)
+    pluggy.HookCaller.__call__ = __call__
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OFF_BY_NAME))
+async def test_checks_switched_off_by_name_fool_the_harness_rule_and_score_zero(
+        test_images_root, calc_task, name):
+    plan = plan_for(calc_task)
+
+    async def switch_off(lease) -> None:
+        code = _OFF_BY_NAME[name].encode()
+        await lease.write_file("calc.py", code + await lease.read_file("calc.py"))
+
+    async with SandboxPool(LocalBackend(test_images_root), "reuse") as pool:
+        async with pool.claim(calc_task) as lease:
+            await switch_off(lease)
+            plain = await lease.exec(plan.command, timeout=120)
+        assert plain.exit_code == 0 and plan.score(plan.parse(plain.text))[0], \
+            "the trick should pass the harness's own rule"
+        result = await run_rollout(pool, calc_task, switch_off, grader=DiffGrader(timeout=120))
+    assert (result.outcome, result.reward, result.error_kind) == (
+        Outcome.TASK_FAILED, 0.0, "tampering_suspected"), result
+    assert "replaced during the run" in (result.error or ""), result.error
 
 
 # -- the agent moved into the policy's own budget ---------------------------------------------

@@ -46,7 +46,7 @@ __all__ = ["VALIDATION_VERSION", "TaskVerdict", "ValidationCache", "ValidationRe
            "validate_tasks", "validated"]
 
 #: Bump when grading changes what a verdict means; cached validations are keyed by it.
-VALIDATION_VERSION = 3
+VALIDATION_VERSION = 4
 _SHOWN = 5  # test ids named per list in a reason
 
 

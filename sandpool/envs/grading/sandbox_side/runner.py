@@ -83,83 +83,90 @@ def harness_python_env(job):
     return out
 
 
-TEST_NAMES = ("conftest.py",)
-
-
-def is_test_file(name):
-    return name in TEST_NAMES or (name.endswith(".py") and (name.startswith("test_") or name.endswith("_test.py")))
-
-
-def is_trusted_path(real, workdir, trusted):
-    """Whether ``real`` (a real path) is one of the task's test files (``trusted``: repo-relative
-    files, and directories ending in ``/``) or a conftest.py, all reset to the base commit."""
-    if not in_repo(real, workdir):
-        return False
-    rel = os.path.relpath(real, workdir).replace(os.sep, "/")
-    return (os.path.basename(rel) == "conftest.py" or rel in trusted
-            or any(t.endswith("/") and rel.startswith(t) for t in trusted))
-
-
-def trust(code, trusted_code):
-    """Record ``code`` and every code object nested in it as the tests' own."""
-    todo = [code]
-    while todo:
-        c = todo.pop()
-        trusted_code[id(c)] = c
-        todo.extend(k for k in c.co_consts if isinstance(k, type(c)))
-
-
-def verify_test_sources(rewrite, plugin, job, workdir, trusted_code):
+def verify_test_sources(rewrite, tampered, job, workdir, trusted_code):
     """Compile each test module and conftest.py from bytes checked against their hashes,
     taken before any of the repo's code ran: code under test that rewrites a later test
     module on disk is found, and pytest compiles what was checked, not a second read.
-    What is compiled from the task's test files, checked, goes into ``trusted_code``."""
+    What is compiled from the task's test files (``job["trusted"]``: repo-relative files,
+    directories ending in ``/``, and any conftest.py), checked, goes into ``trusted_code``.
+
+    Every function these checks call is bound here, before any of the repo's code runs: this
+    module is ``__main__``, and its names are the code under test's to rebind."""
+    realpath, basename, sep = os.path.realpath, os.path.basename, os.sep
+    sha256, b_open, b_str, b_isinstance, b_id, b_any = (
+        hashlib.sha256, open, str, isinstance, id, any)
+    os_stat, parse, b_compile = os.stat, ast.parse, compile
+    code_type = type(verify_test_sources.__code__)
     trusted = frozenset(job.get("trusted") or ())
     hashes = {}
     try:
         with open(job["hashes"]) as f:
             for line in f:
                 digest, _, rel = line.rstrip("\n").partition("  ")
-                hashes[os.path.realpath(os.path.join(workdir, rel))] = digest
+                hashes[realpath(os.path.join(workdir, rel))] = digest
     except (KeyError, OSError):
         return
+
+    def inside(real):
+        return real == workdir or real.startswith(workdir + sep)
+
+    def is_trusted(real):
+        if not inside(real):
+            return False
+        rel = real[len(workdir) + 1:].replace(sep, "/")
+        return (basename(rel) == "conftest.py" or rel in trusted
+                or b_any([t.endswith("/") and rel.startswith(t) for t in trusted]))
+
+    def trust(code):  # the code object and every one nested in it
+        todo = [code]
+        while todo:
+            c = todo.pop()
+            trusted_code[b_id(c)] = c
+            todo.extend([k for k in c.co_consts if b_isinstance(k, code_type)])
+
+    def is_test(name):
+        return name == "conftest.py" or (name.endswith(".py") and (name.startswith("test_")
+                                                                   or name.endswith("_test.py")))
+
     original = rewrite._rewrite_test
     params = list(inspect.signature(original).parameters)
     own = params == ["fn", "config"] and len(inspect.signature(rewrite.rewrite_asserts).parameters) >= 4
+    rewrite_asserts = rewrite.rewrite_asserts
 
     def _rewrite_test(fn, config):
-        path = str(fn)
-        with open(path, "rb") as f:
+        path = b_str(fn)
+        with b_open(path, "rb") as f:
             data = f.read()
-        real = os.path.realpath(path)
+        real = realpath(path)
         want = hashes.get(real)
-        checked = want is not None and hashlib.sha256(data).hexdigest() == want
+        checked = want is not None and sha256(data).hexdigest() == want
         if want is not None and not checked:
-            plugin.tampered("test module %s changed on disk during the run" % path)
-        elif want is None and in_repo(real, workdir) and is_test_file(os.path.basename(real)):
-            plugin.tampered("test module %s appeared during the run" % path)
+            tampered("test module %s changed on disk during the run" % path)
+        elif want is None and inside(real) and is_test(basename(real)):
+            tampered("test module %s appeared during the run" % path)
         if not own:
             out = original(fn, config)
         else:
-            stat = os.stat(path)
-            tree = ast.parse(data, filename=path)
-            rewrite.rewrite_asserts(tree, data, path, config)
-            out = stat, compile(tree, path, "exec", dont_inherit=True)
-        if checked and out is not None and is_trusted_path(real, workdir, trusted):
-            trust(out[1], trusted_code)
+            stat = os_stat(path)
+            tree = parse(data, filename=path)
+            rewrite_asserts(tree, data, path, config)
+            out = stat, b_compile(tree, path, "exec", dont_inherit=True)
+        if checked and out is not None and is_trusted(real):
+            trust(out[1])
         return out
 
     rewrite._rewrite_test = _rewrite_test
-    verify_module_sources(hashes, plugin, lambda path: is_trusted_path(path, workdir, trusted),
-                          trusted_code)
+    verify_module_sources(hashes, tampered, is_trusted, trust)
 
 
-def verify_module_sources(hashes, plugin, is_trusted, trusted_code):
+def verify_module_sources(hashes, tampered, is_trusted, trust):
     """The same check for modules pytest does not rewrite (the tests' helpers and data
     modules): their source is checked as Python reads it, and their bytecode never read;
-    what is compiled from the task's test files goes into ``trusted_code``."""
+    what is compiled from the task's test files is trusted (``trust``)."""
     from importlib import machinery, util
 
+    realpath, sha256, source_from_cache, b_isinstance, b_str = (
+        os.path.realpath, hashlib.sha256, util.source_from_cache, isinstance, str)
     original = machinery.SourceFileLoader.get_data
     to_code = machinery.SourceFileLoader.source_to_code
     verified = set()  # real paths whose source was read and matched its hash
@@ -167,26 +174,26 @@ def verify_module_sources(hashes, plugin, is_trusted, trusted_code):
     def get_data(self, path):
         if path.endswith(".pyc"):
             try:
-                source = os.path.realpath(util.source_from_cache(path))
+                source = realpath(source_from_cache(path))
             except ValueError:
                 source = None
             if source in hashes:  # compile the checked source instead
                 raise OSError("no bytecode for %s" % source)
             return original(self, path)
         data = original(self, path)
-        real = os.path.realpath(path)
+        real = realpath(path)
         want = hashes.get(real)
-        if want is not None and hashlib.sha256(data).hexdigest() != want:
-            plugin.tampered("test source %s changed on disk during the run" % path)
+        if want is not None and sha256(data).hexdigest() != want:
+            tampered("test source %s changed on disk during the run" % path)
         elif want is not None:
             verified.add(real)
         return data
 
     def source_to_code(self, data, path, *args, **kwargs):
         code = to_code(self, data, path, *args, **kwargs)
-        real = os.path.realpath(path) if isinstance(path, str) else None
+        real = realpath(path) if b_isinstance(path, b_str) else None
         if real in verified and is_trusted(real):
-            trust(code, trusted_code)
+            trust(code)
         return code
 
     machinery.SourceFileLoader.get_data = get_data
@@ -210,7 +217,7 @@ def main(argv):
         pass
     try:
         import pytest
-        plugin = importlib.import_module(job["plugin"])
+        verdict = importlib.import_module(job["plugin"])
         from _pytest.assertion import rewrite
     except ImportError as exc:
         sys.stderr.write("sandpool: pytest cannot be imported by %s: %s\n" % (sys.executable, exc))
@@ -219,14 +226,15 @@ def main(argv):
         key = f.read()
     os.unlink(job["key"])
     trusted_code = {}
-    plugin.arm(key, job["report"], trusted_code)
-    del key
+    plugin, snapshot, tampered = verdict.make(key, job["report"], trusted_code)
+    del key, verdict
+    sys.modules.pop(job["plugin"], None)  # reachable by no name: the plugin holds its state
     # pytest reads a cached rewritten module when its mtime and size match the source: a
     # planted one would replace a test module. Always rewrite from the source instead.
     if hasattr(rewrite, "_read_pyc"):
         rewrite._read_pyc = lambda *args, **kwargs: None
-    verify_test_sources(rewrite, plugin, job, workdir, trusted_code)
-    plugin.snapshot()
+    verify_test_sources(rewrite, tampered, job, workdir, trusted_code)
+    snapshot()
     sys.stdout.write("%s python %s pytest %s\n" % (STARTED, sys.version.split()[0], pytest.__version__))
     sys.stdout.flush()
     python_env = harness_python_env(job)
