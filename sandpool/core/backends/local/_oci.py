@@ -47,6 +47,7 @@ from sandpool.core import errors
 from sandpool.core.backends.local._idmap import as_host_id, disable_nested_userns, unpublish
 from sandpool.core.backends.local._idrange import IdRange
 from sandpool.core.backends.local._views import MASKED
+from sandpool.core.backends.local._views import unmount as unmount_host_views
 from sandpool.core.base import ResourceLimits
 from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
 from sandpool.core.mounts import bind_ro, mount_overlay, umount
@@ -201,6 +202,7 @@ def release_host(pub: Path) -> None:
             umount(child / "python")
         elif child.is_dir() and child.name != "empty":
             unmount_views(child)
+            unmount_host_views(child)
             left |= not unpublish(child)
     if not left:  # never recursively through a bind still mounted
         shutil.rmtree(pub, ignore_errors=True)
