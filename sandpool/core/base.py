@@ -224,29 +224,12 @@ class Sandbox(abc.ABC):
         return None
 
     async def repo_times(self, restore: Mapping[str, list[int]] | None = None, *,
-                         skip: tuple[str, ...] = (), timeout: float = 60.0
-                         ) -> dict[str, list[int] | str] | None:
-        """The access and modification times of every path in the repo, read without moving
-        them; with ``restore``, after setting each path it names back to those times.
-
-        Optional: a sandbox with sandpool's agent inside implements it (its ``times`` op);
-        the default returns None. The generic in-place reset (:mod:`sandpool.core.reset`)
-        records them fresh and sets them back, as times are state: a rollout can write 62
-        bits into each file's (``touch -a`` to a future time, which reading never moves).
-
-        Args:
-            restore: ``"./<path>"`` (``"."``: the repo itself) -> ``[atime_ns, mtime_ns]``.
-            skip: Paths, named the same way, left out (with what is below them).
-            timeout: Seconds the walk may take.
-
-        Returns:
-            None when unsupported; else every path -> ``[atime_ns, mtime_ns]``, or where
-            they could not be set a status: ``"refreshed"`` (not the sandbox's own file:
-            moved to now), ``"unwritable"``, ``"error: ..."``.
-
-        Raises:
-            SandboxDied, ExecTransportError: As for :meth:`exec`.
-        """
+                         skip: tuple[str, ...] = (), timeout: float = 60.0) -> dict | None:
+        """Every repo path (``"."``, ``"./<path>"``; ``skip``'s left out) -> its ``[atime_ns,
+        mtime_ns]``, read without moving them, after those ``restore`` names were set back (a
+        status where they could not be: ``"refreshed"`` to now, ``"unwritable"``, ``"error:
+        ..."``). Optional (default None): the generic reset keeps them fresh with it, as a
+        rollout can write 62 bits into a file's times. Raises as :meth:`exec`."""
         return None
 
     async def pin_repo_state(self, paths: list[str]) -> None:
@@ -359,10 +342,8 @@ class Sandbox(abc.ABC):
     async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
         """What the rollout changed outside the repo and ``/tmp``, seen from outside the sandbox.
 
-        Optional: the local backend reads an OCI sandbox's overlay upper layer on the host
-        (the whole root filesystem is an overlay there); a pod whose agent is its
-        container's pid 1 (out of the policy's reach) lists what its pod can write; the
-        default returns None (unknown).
+        Optional: the local backend reads an OCI sandbox's overlay upper layer on the host;
+        a pod's agent (its pid 1) lists what the pod can write; default None (unknown).
 
         Returns:
             None when unsupported; else ``(path, kind)`` pairs, ``kind`` one of ``added``

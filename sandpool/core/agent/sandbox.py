@@ -152,8 +152,7 @@ class AgentSandbox(Sandbox):
             lambda _: self._client().restore(self.workdir, image, changes, pinned, timeout))
 
     async def repo_times(self, restore: Mapping[str, list[int]] | None = None, *,
-                         skip: tuple[str, ...] = (), timeout: float = 60.0
-                         ) -> dict[str, list[int] | str] | None:
+                         skip: tuple[str, ...] = (), timeout: float = 60.0) -> dict | None:
         """Through the agent's ``times`` op (directories listed with O_NOATIME where it
         may); see :meth:`Sandbox.repo_times`. None in a degraded mode without the agent."""
         if not isinstance(self._ops(), AgentClient):

@@ -147,9 +147,9 @@ class KubernetesSandbox(AgentSandbox):
         await self.record_scratch(timeout=timeout)
         msg = await self._call("writable", timeout, skip=self._outside_skip())
         if msg["root_writable"] or msg["over"]:
-            raise errors.SandboxStartError(
-                f"sandbox {self.id}: what its pod can write outside the repo cannot be recorded ("
-                f"{'its root file system is writable' if msg['root_writable'] else 'too many paths'})")
+            why = "its root file system is writable" if msg["root_writable"] else "too many paths"
+            raise errors.SandboxStartError(f"sandbox {self.id}: what its pod can write outside "
+                                           f"the repo cannot be recorded ({why})")
         self._outside = _Listing(msg["entries"], msg["times"])
 
     def adopt_fresh(self, source: KubernetesSandbox) -> None:
@@ -173,7 +173,8 @@ class KubernetesSandbox(AgentSandbox):
         """
         if self._outside is None:
             if self.in_container:
-                return [("(not listed: its pod runs commands without sandpool's agent)", "modified")]
+                return [("(not listed: its pod runs commands without sandpool's agent)",
+                         "modified")]
             return None
         fresh = self._outside
         msg = await self._call("writable", 60.0, skip=self._outside_skip(),

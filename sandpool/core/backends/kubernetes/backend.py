@@ -120,21 +120,16 @@ class KubernetesBackend(Backend):
             its sandbox is handed out, spared by the in-place reset; its port is declared in
             the pod spec and reached with :meth:`KubernetesSandbox.connect_service`
             (:mod:`._service`). No ``binds``: no host directory is bound into a pod.
-        disk_bytes: Cap in bytes on what a sandbox can write: its workdir (a copy of the
-            image's, counted), ``/tmp`` and its service's directory live on a memory-backed
-            volume of that size, and the rest of the root file system is read-only
-            (:func:`._manifests.scratch_volume`); a write past it fails with ENOSPC inside
-            the pod. None: no cap (with ``agent_entrypoint`` the same layout on the node's
-            disk; without, the image's root file system stays writable).
-        agent_entrypoint: Make the agent its container's pid 1 (the container's command,
-            reached over ``pods/attach``; :mod:`._entrypoint`), so no command of the policy
-            can signal it, and every pod's root file system read-only (repo, ``/tmp`` and
-            service directory on the scratch volume, see ``disk_bytes``); the in-place reset
-            holds the rest the pod can write (``/dev``, ``/etc/hosts``...) to its fresh record
-            (:meth:`KubernetesSandbox.changes_outside_repo`), and never passes on a pod
-            without the agent (``agent=False``, an image without Python). Use it on any
-            cluster whose nodes run containers; off, the agent is exec'd into a container
-            that sleeps (a kwok node runs no container command).
+        disk_bytes: Cap in bytes on what a sandbox writes: its workdir (the image's, copied
+            in), ``/tmp`` and service directory on a memory-backed volume of that size (ENOSPC
+            in the pod past it), the rest of the root read-only (``_manifests.scratch_volume``).
+            None: no cap (the volume on the node's disk with ``agent_entrypoint``, else none).
+        agent_entrypoint: Make the agent its container's pid 1 (over ``pods/attach``;
+            :mod:`._entrypoint`), out of the policy's reach, and every pod's root read-only
+            (see ``disk_bytes``); the reset holds what else a pod can write (``/dev``...) to
+            its fresh record, never passing a pod without the agent (:meth:`KubernetesSandbox.
+            changes_outside_repo`). Use it where nodes run containers; off, the agent is
+            exec'd into a container that sleeps (a kwok node runs no container command).
     """
 
     name = "kubernetes"
