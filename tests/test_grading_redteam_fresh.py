@@ -257,8 +257,16 @@ async def test_a_fix_hidden_in_access_times_crosses_a_reset_that_ignores_them_an
     def without_atime(u, ust, lo, lst, atime=True):  # the compare as it was: access times ignored
         return compare(u, ust, lo, lst, atime=False)
 
+    create = LocalBackend.create
+
+    async def restoring_in_place(self, *args, **kwargs):  # not a fresh layer: the compare decides
+        sandbox = await create(self, *args, **kwargs)
+        sandbox.fresh_layers = False
+        return sandbox
+
     with monkeypatch.context() as m:
         m.setattr(_overlay, "_same_attrs", without_atime)
+        m.setattr(LocalBackend, "create", restoring_in_place)
         solved, copied = await _rollouts(LocalBackend(test_images_root), calc_task, _solve_and_hide,
                                          _take_the_hidden_fix, one_sandbox=True)
     assert solved.sandbox_id == copied.sandbox_id and _FOUND == [True], (solved, copied, _FOUND)

@@ -178,6 +178,9 @@ async def test_reset_that_does_not_take_is_caught_by_verification_and_quarantine
     monkeypatch.setattr(AgentClient, "call", lying_call)
     async with SandboxPool(LocalBackend(test_images_root), "reuse", PoolLimits(max_live=2)) as pool:
         async with pool.claim(calc_task) as lease:
+            # The restore in place (an OCI sandbox's; an image directory's swaps in a fresh
+            # layer, which the agent has no part in): the agent writes the image's files back.
+            lease.sandbox.fresh_layers = False
             await lease.exec("echo policy >> calc.py")
             broken = lease.id
         await until(lambda: pool.counters.quarantines, "the quarantine")

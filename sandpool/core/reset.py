@@ -29,6 +29,8 @@ How "identical" is established depends on what the backend can see from outside 
 * :meth:`Sandbox.restore_repo` (the local backend): the overlay's upper layer, read on the
   host, lists exactly what changed; those paths are copied back from the image and compared
   with it on the host (type, mode, mtime, xattrs, bytes or link target). O(paths changed).
+  Where it can (an image directory's repo), the local backend swaps in a fresh upper layer
+  instead, so no inode the rollout wrote survives, and compares that.
 * otherwise (pods): a manifest of the fresh repo (every path's type, mode, sha256 or link
   target) and a copy of ``.git`` without its object store are recorded by :func:`record_pristine`
   when the sandbox is fresh and kept in this process, where the policy cannot write; the reset

@@ -18,7 +18,8 @@ A sandbox of an image directory writes its repo into its overlay's upper layer a
   is copied in.
 * **reset** of a restored sandbox: the stacked overlay is unmounted (its removal propagates
   the same way), which brings back the sandbox's own overlay, untouched since its last
-  verified reset, and the in-place reset then verifies it like any other. A restore of
+  verified reset, and the in-place reset then swaps in a fresh upper layer over the image
+  (``LocalSandbox.restore_repo``) and verifies it like any other. A restore of
   ``.git`` alone (grading) compares the merged view with the image for every path any layer
   holds (``_overlay.diff_merged``).
 

@@ -299,6 +299,11 @@ class LocalBackend(Backend):
                 os.close(info_r)
                 os.close(block_w)
             await sandbox._wait_ready(self.start_timeout)
+            if not oci:  # rollouts write to fresh uppers over it: its own upper stays empty
+                sandbox.fresh_layers = True
+                problems = await sandbox.restore_repo("", timeout=self.start_timeout)
+                if problems:
+                    raise errors.SandboxStartError(f"sandbox {sid}: its repo layer: {problems}")
             await sandbox.record_scratch(timeout=self.start_timeout)
             if self.service is not None:
                 sandbox.service_dir = svc

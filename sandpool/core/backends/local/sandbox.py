@@ -14,7 +14,7 @@ from sandpool.core.agent import service
 from sandpool.core.agent.channel import PipeChannel
 from sandpool.core.agent.client import AgentClient
 from sandpool.core.agent.sandbox import AgentSandbox
-from sandpool.core.backends.local import _oci, _overlay, _snapshot, _snapshot_oci
+from sandpool.core.backends.local import _fresh, _oci, _overlay, _snapshot, _snapshot_oci
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
 from sandpool.core.backends.local._cgroup import FIRST_COMMAND_WEIGHT, BudgetWatch, CgroupDriver
 from sandpool.core.backends.local._idrange import IdRange
@@ -67,6 +67,13 @@ class LocalSandbox(AgentSandbox):
         self.service_env: dict[str, str] = {}
         #: Host path of the overlay's upper layer (what the rollout changed), for reset checks.
         self.upper = upper
+        #: Whether a whole-repo restore swaps in a fresh upper layer (``_fresh``;
+        #: image directories, set by the backend) or restores paths in place (an OCI
+        #: sandbox, whose root is the overlay and cannot be swapped under its processes).
+        self.fresh_layers = False
+        #: The work directory of the fresh upper mounted over the repo, or None while the
+        #: repo is still its base overlay.
+        self._work: Path | None = None
         #: The OCI image it runs, or None for an image directory.
         self.oci = image if isinstance(image, OciImage) else None
         #: The overlay's lower directories, top first (OCI sandboxes; set by the backend).
@@ -152,10 +159,14 @@ class LocalSandbox(AgentSandbox):
     async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str] | None:
         """Make the repo at or below ``under`` identical to the image's; see :meth:`Sandbox.restore_repo`.
 
-        The overlay's upper layer, read on the host, lists what the rollout changed
-        (:func:`._overlay.diff`); the agent copies those paths back from the image's repo
-        (bind-mounted read-only) through the merged view; then the upper layer is compared
-        with the image again, on the host, out of the policy's reach. Cost: O(paths changed).
+        The whole repo of an image directory (:attr:`fresh_layers`): a fresh upper layer is
+        swapped in (``_fresh``), so nothing physical of the rollout's writes (an
+        inode, its number, a directory's listing order, a used block) is left. Otherwise
+        (a part, e.g. ``.git`` for grading, or an OCI sandbox's repo): the overlay's upper
+        layer, read on the host, lists what the rollout changed (:func:`._overlay.diff`); the
+        agent copies those paths back from the image's repo (bind-mounted read-only) through
+        the merged view; then the upper layer is compared with the image again, on the host,
+        out of the policy's reach. Cost: O(paths changed).
         """
         if self._lower is None or self.upper is None:
             return None  # no read-only view of the image's repo: the generic path instead
@@ -164,6 +175,8 @@ class LocalSandbox(AgentSandbox):
                 await _snapshot.unstack(self)
             else:
                 return await self._restore_stacked(under, timeout)
+        if self.fresh_layers and not under.strip("/"):
+            return await asyncio.to_thread(self._fresh_upper)
         upper = self._repo_upper()
         prefix = under.strip("/")
         pins = {r: str(p) for r, p in self._pins.items()
@@ -209,6 +222,28 @@ class LocalSandbox(AgentSandbox):
         left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
         return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
             f"restore failed: {m}" for m in msg.get("failed", [])][:20]
+
+    def _fresh_upper(self) -> list[str]:
+        """Swap in a fresh upper layer over the repo (``_fresh``); return what differs from
+        the image after it, or why the swap failed (empty: pristine). Blocking."""
+        assert self._lower is not None and self.upper is not None
+        old = (self.upper, self._work) if self._work is not None else None
+        try:
+            self.upper, self._work = _fresh.swap(Path(self._lower), old, self.upper.parent,
+                                                 self._pins, self.merged)
+        except OSError as exc:
+            return [f"swapping in a fresh repo layer failed: {exc}"]
+        self._seen.clear()
+        problems = [f"{c.path or '.'} differs from the image ({c.kind})" for c in _overlay.diff(
+            self._lower, self.upper, "", {r: str(p) for r, p in self._pins.items()}, {})]
+        try:  # the same overlay on both sides: the mount reached the sandbox
+            inside = os.stat(f"/proc/{self.init_pid}/root/{self.workdir.lstrip('/')}").st_dev
+            seen = inside == os.stat(self.merged).st_dev
+        except OSError:
+            seen = False
+        if not seen:
+            problems.append(f"the sandbox does not see its fresh repo layer at {self.workdir}")
+        return problems[:20]
 
     async def _restore_stacked(self, under: str, timeout: float) -> list[str]:
         # A restored sandbox: the paths any layer holds, compared through the merged view.

@@ -1,0 +1,97 @@
+"""The repo's physical state across the in-place reset of a local sandbox.
+
+A reset that copies the files a rollout changed back from the image leaves each of them a new
+inode of the overlay's upper layer: another device and inode number than the image's. So a rollout can encode one bit per repo path (change the file or not)
+and the next rollout on the same sandbox reads it back, though every byte, mode and time is
+the image's. Shown first against the reset restoring in place, then on the reset as it is: it
+swaps in a fresh upper layer, and the next rollout finds every path's device, inode number and
+place in its directory's listing as after an idle rollout.
+"""
+
+from __future__ import annotations
+
+import json
+
+from sandpool.core.backends.local import LocalBackend
+from sandpool.core.reset import record_pristine, reset_in_place
+
+CALC_IMAGE = "sandpool.test/calc:2"
+# Every repo path's (device, inode) and every directory's listing order (as ``ls -f`` shows it).
+READ = r"""
+import json, os, sys
+repo, out = sys.argv[1], {"stat": {}, "order": {}}
+for top, dirs, files in os.walk(repo):
+    rel = os.path.relpath(top, repo)
+    out["order"][rel] = os.listdir(top)
+    for name in dirs + files:
+        st = os.lstat(os.path.join(top, name))
+        out["stat"][os.path.normpath(os.path.join(rel, name))] = [st.st_dev, st.st_ino]
+print(json.dumps(out))
+"""
+# The rollout's encoder: a file it changes (the reset puts the image's bytes back) is a 1.
+WRITE = r"""
+import os, sys
+for path in sys.argv[2:]:
+    with open(os.path.join(sys.argv[1], path), "ab") as f:
+        f.write(b"#")
+"""
+# Its index is sandpool's refreshed copy, written anew for every reset (see restore_repo).
+NOT_THE_IMAGES = {".git/index"}
+
+
+async def _view(sb) -> dict:
+    """What the next rollout reads: devices numbered by first appearance (an overlay's device
+    number is the machine's to give), inode numbers, listing orders."""
+    await sb.write_file("/tmp/read.py", READ.encode())
+    res = await sb.exec(["python", "/tmp/read.py", sb.workdir])
+    assert res.ok, res
+    await sb.exec("rm -f /tmp/read.py")
+    raw = json.loads(res.text)
+    devs: dict[int, int] = {}
+    stat = {p: (devs.setdefault(d, len(devs)), i) for p, (d, i) in sorted(raw["stat"].items())}
+    return {"stat": stat, "order": raw["order"]}
+
+
+async def _rollout_then_reset(sb, files: list[str]) -> dict:
+    await sb.write_file("/tmp/write.py", WRITE.encode())
+    res = await sb.exec(["python", "/tmp/write.py", sb.workdir, *files])
+    assert res.ok, res
+    outcome = await reset_in_place(sb, sb.head)
+    assert outcome.ok, outcome.problems  # verified pristine: bytes, modes, times, xattrs
+    return await _view(sb)
+
+
+def _decode(baseline: dict, seen: dict, candidates: list[str]) -> list[str]:
+    return [p for p in candidates if seen["stat"][p] != baseline["stat"][p]]
+
+
+async def test_inodes_a_reset_restores_in_place_carry_bits_and_a_fresh_layer_none(
+        test_images_root, calc_commits):
+    backend = LocalBackend(test_images_root)
+    try:
+        sb = await backend.create(CALC_IMAGE)
+        await record_pristine(sb, refresh_index=True)  # as the pool does for every sandbox
+        assert (await sb.exec("command -v python")).ok
+        files = sorted((await sb.exec("find . -type f ! -path ./.git/index -printf '%P\\n'")).text.split())
+        candidates = [p for p in files if p.startswith(".git/hooks/") or "/" not in p]
+        assert len(candidates) >= 8, files
+        secret = candidates[::3]  # bits 1 0 0 1 0 0 ...
+
+        # The reset restoring in place: the next rollout decodes the secret exactly.
+        sb.fresh_layers = False
+        baseline = await _rollout_then_reset(sb, [])
+        seen = await _rollout_then_reset(sb, secret)
+        assert _decode(baseline, seen, candidates) == secret
+
+        # The reset as it is: nothing to decode, and every path as after an idle rollout.
+        sb.fresh_layers = True
+        await _rollout_then_reset(sb, [])  # git's index is refreshed for the image's inodes again
+        baseline = await _rollout_then_reset(sb, [])
+        for bits in (secret, candidates, []):
+            seen = await _rollout_then_reset(sb, bits)
+            assert _decode(baseline, seen, candidates) == []
+            assert seen["order"] == baseline["order"]
+            moved = {p for p in baseline["stat"] if seen["stat"].get(p) != baseline["stat"][p]}
+            assert moved <= NOT_THE_IMAGES and seen["stat"].keys() == baseline["stat"].keys(), moved
+    finally:
+        await backend.aclose()
