@@ -223,13 +223,14 @@ class Sandbox(abc.ABC):
         """
         return None
 
-    async def repo_times(self, restore: Mapping[str, list[int]] | None = None, *,
-                         skip: tuple[str, ...] = (), timeout: float = 60.0) -> dict | None:
-        """Every repo path (``"."``, ``"./<path>"``; ``skip``'s left out) -> its ``[atime_ns,
-        mtime_ns]``, read without moving them, after those ``restore`` names were set back (a
-        status where they could not be: ``"refreshed"`` to now, ``"unwritable"``, ``"error:
-        ..."``). Optional (default None): the generic reset keeps them fresh with it, as a
-        rollout can write 62 bits into a file's times. Raises as :meth:`exec`."""
+    async def repo_meta(self, restore: Mapping[str, dict] | None = None, *,
+                        skip: tuple[str, ...] = (), timeout: float = 60.0) -> dict | None:
+        """Every repo path (``"."``, ``"./<path>"``; ``skip``'s left out) -> its ``{"t":
+        [atime_ns, mtime_ns], "o": [uid, gid], "x": {xattr: base64}}``, read without moving
+        its times, after those ``restore`` names were set back (``"t"`` a status where they
+        could not be: ``"refreshed"`` to now, ``"unwritable"``). Optional (default None): the
+        generic reset keeps them fresh with it, as a rollout can write bits into any of them.
+        Raises as :meth:`exec`."""
         return None
 
     async def pin_repo_state(self, paths: list[str]) -> None:

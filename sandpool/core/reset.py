@@ -35,9 +35,9 @@ How "identical" is established depends on what the backend can see from outside 
   target) and a copy of ``.git`` without its object store are recorded by :func:`record_pristine`
   when the sandbox is fresh and kept in this process, where the policy cannot write; the reset
   rebuilds ``.git`` from that copy, removes added objects, restores the tree with git, and
-  compares a new manifest with the recorded one; then, where the sandbox reads them without
-  moving them (:meth:`Sandbox.repo_times`: its agent), every path's access and modification
-  times are set back to the recorded ones and checked. O(repo).
+  compares a new manifest with the recorded one; then, where the sandbox can (its agent:
+  :meth:`Sandbox.repo_meta`), every path's owner, extended attributes, access and
+  modification times are set back to the recorded ones and checked. O(repo).
 
 After the check passes, sandpool's own git commands (hooks off, the now-pristine config) check
 out the commit the next claim asks for and refresh git's index (its stat cache), the same steps
@@ -66,14 +66,15 @@ __all__ = ["SAFE_GIT", "Pristine", "ResetOutcome", "checkout", "pristine_record"
 #: a policy could have planted outside ``.git`` (``$HOME`` is ``/tmp`` in a sandbox, so
 #: ``~/.gitconfig`` and ``~/.config/git/attributes`` are the policy's). Use it for every git
 #: command sandpool runs on a policy's tree, after :func:`restore_git_metadata`. Its committer
-#: (the reflog's) is named, so git never looks the host's name up (``/etc/hosts``, DNS).
+#: (the reflog's) is named, so git never looks the host's name up (``/etc/hosts``, DNS), and
+#: the repo is safe whoever owns it (a rollout may chown it; the reset restores the owner).
 SAFE_GIT = ("env -u GIT_DIR -u GIT_WORK_TREE -u GIT_INDEX_FILE -u GIT_OBJECT_DIRECTORY "
             "-u GIT_ALTERNATE_OBJECT_DIRECTORIES -u GIT_CONFIG_PARAMETERS "
             "GIT_COMMITTER_NAME=sandpool GIT_COMMITTER_EMAIL=sandpool@localhost "
             "HOME=/nonexistent XDG_CONFIG_HOME=/nonexistent GIT_CONFIG_GLOBAL=/dev/null "
             "GIT_CONFIG_NOSYSTEM=1 GIT_ATTR_NOSYSTEM=1 GIT_TERMINAL_PROMPT=0 "
             "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.attributesFile=/dev/null "
-            "-c advice.detachedHead=false")
+            "-c advice.detachedHead=false -c safe.directory='*'")
 _SEP = "@@sandpool-verify@@"
 # sandpool's own, not the image's: the Kubernetes exec wrapper's output files.
 _OWN_GIT_PATHS = (".git/sandpool-exec",)
@@ -255,7 +256,7 @@ class Pristine:
     hashes: tuple[str, ...]  # "<sha256>  <path>" per regular file
     git_meta: bytes  # tar of .git without its object files
     stats: tuple[str, ...] = ()  # "<ctime> <size> <path>" per path (find's %C@ %s %p)
-    times: Mapping[str, Any] | None = None  # Sandbox.repo_times of the fresh repo, or None
+    meta: Mapping[str, Any] | None = None  # Sandbox.repo_meta of the fresh repo, or None
 
 
 def pristine_record(sandbox: Sandbox) -> Pristine | None:
@@ -265,8 +266,8 @@ def pristine_record(sandbox: Sandbox) -> Pristine | None:
 
 _records: weakref.WeakKeyDictionary[Sandbox, Pristine] = weakref.WeakKeyDictionary()
 _OWN = " -o ".join(f"-path ./{p}" for p in _OWN_GIT_PATHS)
-_OWN_TIMES = tuple(f"./{p}" for p in _OWN_GIT_PATHS)
-#: What Sandbox.repo_times says of a path's times it could not set back (its own answer).
+_OWN_META = tuple(f"./{p}" for p in _OWN_GIT_PATHS)
+#: What Sandbox.repo_meta says of a path's times it could not set back (its own answer).
 _UNSET = ("refreshed", "unwritable")
 _LIST = f"find {{root}} \\( {_OWN} \\) -prune -o -printf '%y %m %p -> %l\\n' | LC_ALL=C sort"
 _HASH = (f"find {{root}} \\( {_OWN} \\) -prune -o -type f -print0 | LC_ALL=C sort -z"
@@ -350,9 +351,9 @@ async def _record(sandbox: Sandbox, timeout: float) -> None:
     if not res.ok or len(parts) != 4:
         raise ResetError(f"sandbox {sandbox.id}: cannot record its fresh repo: {res.err_text.strip()[:300]}")
     paths, hashes = _split(parts[0] + _SEP + "\n" + parts[1])
-    times = await sandbox.repo_times(skip=_OWN_TIMES, timeout=timeout)  # after the reads
+    meta = await sandbox.repo_meta(skip=_OWN_META, timeout=timeout)  # after the reads
     _records[sandbox] = Pristine(paths, hashes, base64.b64decode(parts[3]),
-                                 tuple(parts[2].splitlines()), times)
+                                 tuple(parts[2].splitlines()), meta)
 
 
 async def _generic_restore(sandbox: Sandbox, under: str, timeout: float) -> list[str]:
@@ -398,15 +399,20 @@ async def _generic_restore(sandbox: Sandbox, under: str, timeout: float) -> list
         if now_u != want_u:
             problems.append(f"{what} differ from the fresh repo: unexpected {sorted(now_u - want_u)[:3]},"
                             f" missing {sorted(want_u - now_u)[:3]}")
-    if rec.times is not None and not problems:  # last: the restore and the hashing move some
+    if rec.meta is not None and not problems:  # last: the restore and the hashing move times
         prefix = f"./{under}"
-        want_t = {p: t for p, t in rec.times.items() if isinstance(t, list)
-                  and (not under or p == prefix or p.startswith(prefix + "/"))}
-        got = await sandbox.repo_times(want_t, skip=_OWN_TIMES, timeout=timeout) or {}
-        if moved := sorted(p for p, t in want_t.items() if got.get(p) not in (t, *_UNSET)):
-            problems.append(f"times could not be set back to the fresh repo's: {moved[:3]}"
-                            f" ({[got.get(p) for p in moved[:3]]})")
+        want = {p: m for p, m in rec.meta.items() if isinstance(m, dict)
+                and (not under or p == prefix or p.startswith(prefix + "/"))}
+        got = await sandbox.repo_meta(want, skip=_OWN_META, timeout=timeout) or {}
+        if bad := sorted(p for p, m in want.items() if not _same_meta(got.get(p), m)):
+            problems.append(f"owner, xattrs or times could not be set back to the fresh repo's:"
+                            f" {[(p, got.get(p)) for p in bad[:3]]}")
     return problems
+
+
+def _same_meta(got: Any, want: dict) -> bool:
+    return (isinstance(got, dict) and got["o"] == want["o"] and got["x"] == want["x"]
+            and got["t"] in (want["t"], *_UNSET))
 
 
 async def _outside_repo(sandbox: Sandbox, timeout: float) -> list[str]:

@@ -151,29 +151,36 @@ async def test_a_warm_pods_pre_opened_session_records_what_its_reset_compares(
         await backend.aclose()
 
 
-async def test_times_a_rollout_writes_into_the_repo_are_set_back_by_the_reset(
+async def test_times_owners_and_xattrs_a_rollout_sets_in_the_repo_are_set_back_by_the_reset(
     cluster, namespace, real_node, real_images
 ):
-    """A path's times are its owner's to set: 62 bits each, which reading never moves once in
-    the future. The reset sets every repo path's back to the fresh pod's, before sandpool's
-    own git reads or rewrites some (its checkout: times of now, which no rollout chose)."""
+    """A path's times, owner and extended attributes are state the policy (root in its pod)
+    can set without changing a byte: bits each, which reading never moves (a time set in the
+    future). The reset sets every repo path's back to the fresh pod's, before sandpool's own
+    git reads or rewrites some (its checkout: times of now, which no rollout chose)."""
     task = json.loads(Path(real_images["task"]).read_text())
-    listing = ("find . -path ./.git/sandpool-exec -prune -o -printf '%A@ %T@ %p\\n' | sort -k3")
+    listing = ("find . -path ./.git/sandpool-exec -prune -o -printf '%A@ %T@ %U:%G %p\\n'"
+               " | sort -k4; find . -print0 | python3 -c 'import os, sys; print(sum(len("
+               "os.listxattr(p, follow_symlinks=False)) for p in sys.stdin.read().split(\"\\0\") if p))'")
     stamp = ("for p in $(find .git/objects -type f | head -3) calcpkg/__init__.py calcpkg .git/HEAD"
-             " .git/objects .; do touch -m -d @2000000001 $p && touch -a -d @2000000002 $p; done")
+             " .git/objects .; do touch -m -d @2000000001 $p && touch -a -d @2000000002 $p"
+             " && chown 4321:4322 $p && python3 -c 'import os, sys; os.setxattr(sys.argv[1],"
+             " \"user.stash\", b\"gold\")' $p || exit 1; done")
     backend = real_backend(cluster, namespace, real_node)
     try:
         sb = await backend.create(real_images["swe"])
         await record_pristine(sb)
         before = (await sb.exec(listing, timeout=60)).text.splitlines()
         assert (await sb.exec(stamp + " && echo stamped", timeout=60)).text == "stamped\n"
+        assert (await sb.exec(listing, timeout=60)).text.splitlines()[-1] == "8"
         outcome = await reset_in_place(sb, task["base_commit"])
         assert outcome.ok, outcome.problems
         after = (await sb.exec(listing, timeout=60)).text.splitlines()
     finally:
         await backend.aclose()
-    assert not [ln for ln in after if "200000000" in ln], after
+    assert before[-1] == after[-1] == "0", (before[-1], after[-1])  # no xattr in the repo
+    assert not [ln for ln in after if "200000000" in ln or "4321" in ln], after
     # Object files git does not rewrite: their mtimes are the fresh pod's again.
-    objects = [{ln.split(" ", 2)[2]: ln.split(" ")[1] for ln in lines
-                if ln.split(" ", 2)[2].startswith("./.git/objects/")} for lines in (before, after)]
+    objects = [{ln.split(" ", 3)[3]: ln.split(" ")[1] for ln in lines[:-1]
+                if ln.split(" ", 3)[3].startswith("./.git/objects/")} for lines in (before, after)]
     assert objects[1] == objects[0] and len(objects[0]) > 3, objects

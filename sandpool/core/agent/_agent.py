@@ -40,10 +40,11 @@ Ops:
                 :func:`_set_times` says, where it could not be). ``root_writable``: ``/``
                 itself is writable (nothing is walked); ``over``: past :data:`_WRITABLE_MAX`
                 entries or bytes hashed (the listing stops there)
-    times       {root, skip?: [rel, ...], restore?: {rel: [atime_ns, mtime_ns]}}
-                -> {times: {rel: [atime_ns, mtime_ns] | status}}: every path under ``root``
-                ("." and "./<path>", as ``find .``), its times after those given were set back
-                (a status where they could not be, as for ``writable``); see :func:`_times`
+    meta        {root, skip?: [rel, ...], restore?: {rel: meta}} -> {meta: {rel: meta | error}}
+                every path under ``root`` ("." and "./<path>", as ``find .``), meta = {t:
+                [atime_ns, mtime_ns], o: [uid, gid], x: {name: b64}}, after those given were
+                set back (owner, xattrs, then times; ``t`` a status where the times could not
+                be, as for ``writable``); see :func:`_meta`
     seccomp     {program(b64)} -> {}: set no_new_privs and install ``program`` (classic BPF,
                 :mod:`sandpool.core.agent.seccomp`'s) on the agent's main thread, so every
                 thread and process it starts afterwards runs under it (served on the main
@@ -69,7 +70,7 @@ kernel counted: ``refused`` (the controller's count of refused forks in its grou
 across the failed start: the group's pid limit refused it, not the machine's), ``tasks``
 (the group's tasks) and ``agent_tasks`` (its own threads); the host says whose it was.
 ``ps``, ``kill_strays``, ``read_file``, ``write_file``, ``restore``, ``scratch``,
-``writable`` and ``times`` need no thread of their own: refused one, they are served on the main thread
+``writable`` and ``meta`` need no thread of their own: refused one, they are served on the main thread
 (nothing else is read meanwhile), so a sandbox whose processes hold every pid can still be
 emptied and reset.
 """
@@ -806,12 +807,52 @@ def _listdir_noatime(path):
         os.close(fd)
 
 
-def _times(req):
+def _path_meta(path):
+    st = os.lstat(path)
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError:  # a file system without xattrs: none
+        names = []
+    xattrs = {}
+    for n in names:
+        try:
+            xattrs[n] = base64.b64encode(os.getxattr(path, n, follow_symlinks=False)).decode()
+        except OSError:
+            xattrs[n] = None
+    return {"t": [st.st_atime_ns, st.st_mtime_ns], "o": [st.st_uid, st.st_gid], "x": xattrs}
+
+
+def _set_path_meta(path, now, want):
+    """Make ``path``'s owner, then extended attributes, then times ``want``'s, changing only
+    what differs; returns how its times were set (:func:`_set_times`). A failed owner or
+    attribute change is left for the caller's compare to find."""
+    if now["o"] != want["o"]:
+        try:
+            os.chown(path, want["o"][0], want["o"][1], follow_symlinks=False)
+            now = _path_meta(path)  # a chown drops file capabilities
+        except OSError:
+            pass
+    for n in now["x"]:
+        if n not in want["x"]:
+            try:
+                os.removexattr(path, n, follow_symlinks=False)
+            except OSError:
+                pass
+    for n, v in want["x"].items():
+        if v is not None and now["x"].get(n) != v:
+            try:
+                os.setxattr(path, n, base64.b64decode(v), follow_symlinks=False)
+            except OSError:
+                pass
+    return _set_times(path, want["t"]) if now["t"] != want["t"] else "set"
+
+
+def _meta(req):
     """Every path under ``root`` (itself ".", the rest "./<relative>", as ``find .`` names
-    them) but those in ``skip``, with its [atime_ns, mtime_ns] after those in ``restore`` were
-    set back (:func:`_set_times`, whose status replaces the pair where it could not); lstat
-    only, a directory listed before its own times are set, so nothing but a set moves one.
-    Iterative: any depth."""
+    them) but those in ``skip``, with its times, owner and extended attributes after those in
+    ``restore`` were set back (:func:`_set_path_meta`; a times status replaces the pair where
+    they could not be); lstat only, a directory listed before its own times are set, so
+    nothing but a set moves one. Iterative: any depth."""
     root = req["root"]
     skip = frozenset(req.get("skip") or ())
     restore = req.get("restore") or {}
@@ -820,22 +861,23 @@ def _times(req):
         rel = todo.pop()
         path = root if rel == "." else os.path.join(root, rel[2:])
         try:
-            st = os.lstat(path)
-            if stat.S_ISDIR(st.st_mode):
+            if os.path.isdir(path) and not os.path.islink(path):
                 for name in _listdir_noatime(path):
                     child = ("./" if rel == "." else rel + "/") + name
                     if child not in skip:
                         todo.append(child)
+            now = _path_meta(path)
             done = "set"
-            want = restore.get(rel)
-            if want is not None and [st.st_atime_ns, st.st_mtime_ns] != want:
-                done = _set_times(path, want)
-            st = os.lstat(path)
+            if rel in restore and now != restore[rel]:
+                done = _set_path_meta(path, now, restore[rel])
+                now = _path_meta(path)
         except OSError as exc:
             out[rel] = "error: %s" % exc
             continue
-        out[rel] = [st.st_atime_ns, st.st_mtime_ns] if done == "set" else done
-    return {"times": out}
+        if done != "set":
+            now["t"] = done
+        out[rel] = now
+    return {"meta": out}
 
 
 def _seccomp(req):
@@ -950,12 +992,12 @@ def _scratch(req):
 
 _OPS = {"exec": _exec, "read_file": _read_file, "write_file": _write_file, "ps": _ps,
         "kill_strays": _kill_strays, "restore": _restore, "service": _service, "scratch": _scratch,
-        "seccomp": _seccomp, "writable": _writable, "times": _times}
+        "seccomp": _seccomp, "writable": _writable, "meta": _meta}
 
 
 #: Ops that start neither a thread nor a process: served on the main thread when refused one.
 _INLINE = frozenset({"ps", "kill_strays", "read_file", "write_file", "restore", "scratch",
-                     "writable", "times"})
+                     "writable", "meta"})
 
 
 def _open_pid_events():

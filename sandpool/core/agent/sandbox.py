@@ -151,15 +151,15 @@ class AgentSandbox(Sandbox):
         return await self._guarded(
             lambda _: self._client().restore(self.workdir, image, changes, pinned, timeout))
 
-    async def repo_times(self, restore: Mapping[str, list[int]] | None = None, *,
-                         skip: tuple[str, ...] = (), timeout: float = 60.0) -> dict | None:
-        """Through the agent's ``times`` op (directories listed with O_NOATIME where it
-        may); see :meth:`Sandbox.repo_times`. None in a degraded mode without the agent."""
+    async def repo_meta(self, restore: Mapping[str, dict] | None = None, *,
+                        skip: tuple[str, ...] = (), timeout: float = 60.0) -> dict | None:
+        """Through the agent's ``meta`` op (directories listed with O_NOATIME where it may);
+        see :meth:`Sandbox.repo_meta`. None in a degraded mode without the agent."""
         if not isinstance(self._ops(), AgentClient):
             return None
-        msg = await self._call("times", timeout, root=self.workdir, skip=list(skip),
+        msg = await self._call("meta", timeout, root=self.workdir, skip=list(skip),
                                restore=dict(restore or {}))
-        return msg["times"]
+        return msg["meta"]
 
     # -- the scratch directories -------------------------------------------------------------
 
