@@ -11,6 +11,7 @@ import pytest
 from sandpool.core import Outcome, SandboxPool, errors, run_rollout
 
 from .conftest import CALC_IMAGE
+from .escapees import ASK, HIDE
 from .waiting import exec_past_marker
 
 
@@ -124,3 +125,13 @@ async def test_a_policy_that_signals_every_process_cannot_reach_the_agent(test_i
     # The agent is the sandbox's pid 1: no signal from inside reaches it, so the sandbox
     # stays in control and killing it from inside can buy no unscored infra_failed.
     assert (result.outcome, result.reward, result.attempts) == (Outcome.COMPLETED, 1.0, 1), result
+
+
+async def test_a_process_hiding_behind_its_zombie_leader_is_listed_and_killed(local_backend):
+    sb = await local_backend.create(CALC_IMAGE)
+    assert (await sb.exec(HIDE)).text == "hidden\n"
+    assert (await sb.exec(ASK)).text == "the fix\n"  # its server thread runs on
+    assert "[pid" in str(await sb.processes())
+    await sb.kill_strays()
+    assert (await sb.exec(ASK)).text == "nobody: Connection refused\n"
+    assert await sb.processes() == []

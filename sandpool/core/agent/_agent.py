@@ -274,11 +274,21 @@ def _kill_tree(proc, marker, start, own, older):
 
 
 def _zombie(pid):
+    """Whether ``pid`` is dead: gone, or a zombie none of whose threads runs. A leader that
+    exited alone (``SYS_exit``, not ``exit_group``) is "Z" in its own ``stat``, with no
+    ``cmdline`` or ``environ``, while its other threads run on: alive, to be killed."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
         return True  # gone
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X"):
+                    return False
+        except (OSError, IndexError):
+            continue  # that thread is gone
+    return True
 
 
 #: The work cgroup's ``cgroup.procs`` files, opened by the host and inherited (see _take_work_fds).
@@ -461,9 +471,8 @@ def _cmdline(pid):
 def _ps(_req):
     procs = []
     for pid in _others():
-        line = _cmdline(pid)
-        if line:  # zombies and vanished pids have no cmdline
-            procs.append(line)
+        if not _zombie(pid):  # a live process may have no cmdline (its leader exited alone)
+            procs.append(_cmdline(pid) or f"[pid {pid}, no cmdline]")
     return {"procs": procs}
 
 
