@@ -5,7 +5,9 @@ inode of the overlay's upper layer: another device and inode number than the ima
 and the next rollout on the same sandbox reads it back, though every byte, mode and time is
 the image's. Shown first against the reset restoring in place, then on the reset as it is: it
 swaps in a fresh upper layer, and the next rollout finds every path's device, inode number and
-place in its directory's listing as after an idle rollout.
+place in its directory's listing as after an idle rollout. The same for ``/dev/shm``: a tmpfs
+emptied in place still numbers the next file after every file the rollout made there; a fresh
+one starts where a fresh sandbox's does.
 """
 
 from __future__ import annotations
@@ -93,5 +95,37 @@ async def test_inodes_a_reset_restores_in_place_carry_bits_and_a_fresh_layer_non
             assert seen["order"] == baseline["order"]
             moved = {p for p in baseline["stat"] if seen["stat"].get(p) != baseline["stat"][p]}
             assert moved <= NOT_THE_IMAGES and seen["stat"].keys() == baseline["stat"].keys(), moved
+    finally:
+        await backend.aclose()
+
+
+# The next file's inode number in /dev/shm: a tmpfs numbers its files in turn, from its mount on.
+NEXT_INODE = "import os; open('/dev/shm/n', 'w').close(); print(os.stat('/dev/shm/n').st_ino)"
+FILL_SHM = "import os\nfor i in range(500):\n    open(f'/dev/shm/f{i}', 'w').close()\n"
+
+
+async def _next_shm_inode_after(sb, files: bool) -> int:
+    if files:
+        assert (await sb.exec(["python", "-c", FILL_SHM])).ok
+    outcome = await reset_in_place(sb, sb.head)
+    assert outcome.ok, outcome.problems
+    res = await sb.exec(["python", "-c", NEXT_INODE])
+    assert res.ok, res
+    assert (await reset_in_place(sb, sb.head)).ok  # the reader's own file goes too
+    return int(res.text)
+
+
+async def test_the_shm_inode_counter_carries_a_count_over_an_emptied_tmpfs_and_not_a_fresh_one(
+        test_images_root, calc_commits):
+    backend = LocalBackend(test_images_root)
+    try:
+        sb = await backend.create(CALC_IMAGE)
+        await record_pristine(sb, refresh_index=True)
+        shm, sb.shm = sb.shm, None  # the tmpfs emptied in place, as bubblewrap's was
+        idle = await _next_shm_inode_after(sb, files=False)
+        assert await _next_shm_inode_after(sb, files=True) >= idle + 500
+        sb.shm = shm  # a fresh tmpfs for each reset
+        idle = await _next_shm_inode_after(sb, files=False)
+        assert [await _next_shm_inode_after(sb, files=f) for f in (True, False, True)] == [idle] * 3
     finally:
         await backend.aclose()

@@ -9,7 +9,7 @@ import struct
 from pathlib import Path
 
 __all__ = ["MAX_OVERLAY_OPTS", "bind_idmapped", "bind_ro", "bind_rw", "make_shared", "mount_overlay",
-           "umount"]
+           "mount_tmpfs", "umount"]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_REMOUNT, _MS_BIND, _MS_REC = 1, 2, 4, 32, 4096, 16384
@@ -50,6 +50,18 @@ def mount_overlay(lowers: list[Path | str], upper: Path | None, work: Path | Non
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", flags, opts.encode()) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"overlay mount on {target}: {os.strerror(err)}")
+
+
+def mount_tmpfs(target: Path | str, opts: str) -> None:
+    """Mount a new, empty tmpfs on ``target``, ``nosuid`` and ``nodev``, with options ``opts``
+    (``mode=``, ``uid=``, ``gid=``, ``size=``...).
+
+    Raises:
+        OSError: The kernel refused (the message has the errno text).
+    """
+    if _libc.mount(b"tmpfs", str(target).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"tmpfs mount on {target}: {os.strerror(err)}")
 
 
 def umount(path: Path | str) -> None:

@@ -49,7 +49,7 @@ def host_sources(img: LocalImage, etc: Path, service: ServiceSpec | None = None)
 def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, merged: Path,
            tmp: Path | None, work_fds: Sequence[int] = (), service: ServiceSpec | None = None,
            service_dir: Path | None = None, views: Mapping[str, str] | None = None,
-           devices: Sequence[str] = ()) -> list[str]:
+           devices: Sequence[str] = (), shm: Path | None = None) -> list[str]:
     """The bubblewrap argv of a sandbox of image directory ``img`` (see the package docstring).
 
     Args:
@@ -67,6 +67,8 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
         views: What to bind instead of each of :func:`host_sources` (``_views.mount``: its
             own inodes), and an ``"empty"`` file bound over ``_views.MASKED``.
         devices: Options binding the sandbox's own device nodes (``_views.devices``).
+        shm: The host's shared mount point bound at ``/dev/shm``, on which the backend mounts
+            a fresh tmpfs for each lease (``_fresh``); None: a tmpfs of bubblewrap's.
     """
     views = views or {}
 
@@ -105,7 +107,7 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
         *(a for path in MASKED if "empty" in views for a in ("--ro-bind", views["empty"], path)),
         "--dev", "/dev",
         *devices,
-        "--tmpfs", "/dev/shm",
+        *(["--bind", str(shm), "/dev/shm"] if shm else ["--tmpfs", "/dev/shm"]),
         "--mqueue", "/dev/mqueue",
         *(["--bind", str(tmp), "/tmp"] if tmp else ["--tmpfs", "/tmp"]),
         "--ro-bind", ro(img.python_prefix), img.python_prefix,

@@ -23,6 +23,8 @@ def unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
             break
         _umount(merged)
     _umount(merged)  # the shared bind of itself below them (ismount cannot see a self-bind)
+    _umount(state / "shm")  # its tmpfs, then the shared bind of itself
+    _umount(state / "shm")
     for view in (state / "snap-views").glob("*"):
         _umount(view)
     _umount(state / "lower")

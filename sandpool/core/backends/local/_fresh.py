@@ -12,6 +12,12 @@ and the old one is deleted. Every path is then the image's own inode again.
 The sandbox sees the swap as it sees a snapshot's stacked overlay (``_snapshot``): its repo is
 a slave of the host's shared mount, and the overlay it was created with stays below, never
 written: the backend swaps in the first fresh layer before any command runs.
+
+``/dev/shm`` the same way (:func:`tmpfs`): a tmpfs numbers its files in turn from its mount
+on, so one emptied in place hands the next rollout the count of files the last one made; the
+sandbox binds a shared mount point of the host there, on which each reset mounts a new tmpfs.
+(``/tmp`` lives on the quota filesystem, where ext4 allocates inode numbers from its bitmap;
+``/dev/mqueue`` numbers from a counter of the whole machine, which no remount resets.)
 """
 
 from __future__ import annotations
@@ -23,9 +29,9 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from sandpool.core.mounts import mount_overlay, umount
+from sandpool.core.mounts import mount_overlay, mount_tmpfs, umount
 
-__all__ = ["swap"]
+__all__ = ["swap", "tmpfs"]
 
 
 def swap(lower: Path, old: tuple[Path, Path] | None, disk: Path, pins: Mapping[str, Path],
@@ -107,3 +113,15 @@ def _copy_attrs(src: Path, dst: Path, *, owner: bool = True) -> None:
             os.setxattr(dst, name, os.getxattr(src, name, follow_symlinks=False))
     os.chmod(dst, stat.S_IMODE(st.st_mode))
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def tmpfs(target: Path, opts: str) -> None:
+    """Mount a new, empty tmpfs with ``opts`` on the shared mount point ``target`` in place of
+    the one there (if any); the sandbox's bind of it sees the new one. Blocking.
+
+    Raises:
+        OSError: The mount failed.
+    """
+    if os.path.ismount(target):
+        umount(target)  # the tmpfs only: the shared bind of itself below is no mount ismount sees
+    mount_tmpfs(target, opts)

@@ -239,6 +239,9 @@ class LocalBackend(Backend):
                 os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
                 # Shared: a snapshot's overlay mounted over it later shows in the sandbox too.
                 make_shared(merged)
+                shm = state / "shm"  # the same for /dev/shm: a fresh tmpfs for each lease
+                shm.mkdir()
+                make_shared(shm)
                 mount_overlay([img.repo], upper, work, merged)
                 # The service's directory shares the sandbox's disk quota when there is one.
                 svc = (state / "disk" if self.limits.disk_bytes else state) / "service"
@@ -250,7 +253,7 @@ class LocalBackend(Backend):
                 views = await _offload_ret(_views.mount, pub, host_sources(img, etc, self.service))
                 devices = await _offload_ret(_views.devices, pub)
                 argv = bwrap_argv(self.bwrap, self.limits, img, etc, merged, tmp, work_fds,
-                                  self.service, svc, views, devices)
+                                  self.service, svc, views, devices, shm)
                 argv = _idmap.publish_binds(argv[1:], pub, user)
                 argv = [*_idmap.as_host_id(user), self.bwrap, "--userns-block-fd", str(block_r),
                         "--info-fd", str(info_w), "--seccomp", str(seccomp_r), *argv]
@@ -300,8 +303,9 @@ class LocalBackend(Backend):
                 os.close(block_w)
             await sandbox._wait_ready(self.start_timeout)
             if not oci:  # rollouts write to fresh uppers over it: its own upper stays empty
-                sandbox.fresh_layers = True
+                sandbox.fresh_layers, sandbox.shm = True, shm
                 problems = await sandbox.restore_repo("", timeout=self.start_timeout)
+                problems += await asyncio.to_thread(sandbox.fresh_shm)
                 if problems:
                     raise errors.SandboxStartError(f"sandbox {sid}: its repo layer: {problems}")
             await sandbox.record_scratch(timeout=self.start_timeout)

@@ -14,7 +14,7 @@ from sandpool.core.agent import service
 from sandpool.core.agent.channel import PipeChannel
 from sandpool.core.agent.client import AgentClient
 from sandpool.core.agent.sandbox import AgentSandbox
-from sandpool.core.backends.local import _fresh, _oci, _overlay, _snapshot, _snapshot_oci
+from sandpool.core.backends.local import _fresh, _idmap, _oci, _overlay, _snapshot, _snapshot_oci
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
 from sandpool.core.backends.local._cgroup import FIRST_COMMAND_WEIGHT, BudgetWatch, CgroupDriver
 from sandpool.core.backends.local._idrange import IdRange
@@ -67,13 +67,12 @@ class LocalSandbox(AgentSandbox):
         self.service_env: dict[str, str] = {}
         #: Host path of the overlay's upper layer (what the rollout changed), for reset checks.
         self.upper = upper
-        #: Whether a whole-repo restore swaps in a fresh upper layer (``_fresh``;
-        #: image directories, set by the backend) or restores paths in place (an OCI
-        #: sandbox, whose root is the overlay and cannot be swapped under its processes).
+        #: Whether a whole-repo restore swaps in a fresh upper layer (``_fresh``; image
+        #: directories) or restores paths in place (OCI: the root overlay cannot be swapped).
         self.fresh_layers = False
-        #: The work directory of the fresh upper mounted over the repo, or None while the
-        #: repo is still its base overlay.
-        self._work: Path | None = None
+        self._work: Path | None = None  # the fresh upper's work dir; None: the base overlay
+        #: Host mount point bound at ``/dev/shm`` (image directories), or None (bubblewrap's).
+        self.shm: Path | None = None
         #: The OCI image it runs, or None for an image directory.
         self.oci = image if isinstance(image, OciImage) else None
         #: The overlay's lower directories, top first (OCI sandboxes; set by the backend).
@@ -236,14 +235,34 @@ class LocalSandbox(AgentSandbox):
         self._seen.clear()
         problems = [f"{c.path or '.'} differs from the image ({c.kind})" for c in _overlay.diff(
             self._lower, self.upper, "", {r: str(p) for r, p in self._pins.items()}, {})]
-        try:  # the same overlay on both sides: the mount reached the sandbox
-            inside = os.stat(f"/proc/{self.init_pid}/root/{self.workdir.lstrip('/')}").st_dev
-            seen = inside == os.stat(self.merged).st_dev
-        except OSError:
-            seen = False
-        if not seen:
+        if not self._sees(self.merged, self.workdir):  # the mount reached the sandbox
             problems.append(f"the sandbox does not see its fresh repo layer at {self.workdir}")
         return problems[:20]
+
+    def fresh_shm(self) -> list[str]:
+        """Mount a fresh tmpfs at ``/dev/shm`` (its inode numbers count every file it held);
+        return what failed (empty: done). Blocking; no process of a rollout may be left."""
+        if self.shm is None or self.ids is None:
+            return []
+        uid = self.ids.host(_idmap.SANDBOX_UID)
+        try:
+            _fresh.tmpfs(self.shm, f"mode=755,uid={uid},gid={uid}")
+        except OSError as exc:
+            return [f"mounting a fresh /dev/shm failed: {exc}"]
+        return [] if self._sees(self.shm, "/dev/shm") else ["the sandbox does not see its fresh /dev/shm"]
+
+    def _sees(self, host: Path, inside: str) -> bool:
+        """Whether the sandbox's ``inside`` is the filesystem mounted at host path ``host``."""
+        try:
+            return os.stat(f"/proc/{self.init_pid}/root/{inside.lstrip('/')}").st_dev == os.stat(host).st_dev
+        except OSError:
+            return False
+
+    async def restore_scratch(self, *, timeout: float = 60.0) -> list[str] | None:
+        """A fresh ``/dev/shm`` (:meth:`fresh_shm`), then :meth:`AgentSandbox.restore_scratch`."""
+        fresh = await asyncio.to_thread(self.fresh_shm)
+        rest = await super().restore_scratch(timeout=timeout)
+        return None if rest is None else fresh + rest
 
     async def _restore_stacked(self, under: str, timeout: float) -> list[str]:
         # A restored sandbox: the paths any layer holds, compared through the merged view.
