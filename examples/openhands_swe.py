@@ -35,6 +35,7 @@ from sandpool.core.backends.local import LocalBackend  # noqa: E402
 from sandpool.core.metrics import Workload  # noqa: E402
 from sandpool.core.pool import Lease, SandboxPool  # noqa: E402
 from sandpool.core.rollout import run_rollout  # noqa: E402
+from sandpool.envs.scoring import default_grader  # noqa: E402
 from sandpool.envs.tasks import load_tasks  # noqa: E402
 from sandpool.integrations.openhands import openhands_episode  # noqa: E402
 
@@ -76,6 +77,7 @@ async def main() -> None:
     async with SandboxPool(LocalBackend(args.images_root), strategy="reuse") as pool:
         await pool.prepare(picked, concurrency=args.concurrency)
         sem = asyncio.Semaphore(args.concurrency)
+        grader = default_grader()
         t0 = time.monotonic()
 
         async def one(i: int):  # type: ignore[no-untyped-def]
@@ -85,8 +87,8 @@ async def main() -> None:
                 return scripted_llm(lease, i)
 
             async with sem:
-                return await run_rollout(pool, picked[i], openhands_episode(make_llm), rollout=i,
-                                         policy=args.model or ("oracle" if i % 2 == 0 else "noop"))
+                return await run_rollout(pool, picked[i], openhands_episode(make_llm), grader=grader,
+                                         rollout=i, policy=args.model or ("oracle" if i % 2 == 0 else "noop"))
 
         results = await asyncio.gather(*(one(i) for i in range(args.n)))
         wall = time.monotonic() - t0

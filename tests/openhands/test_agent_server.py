@@ -72,7 +72,9 @@ def run_episode(pool: SandboxPool, task: Task, steps: list[dict], on_workspace=N
             conv.run()
         finally:
             conv.close()
-        return ws.grade().reward
+        result = ws.finish()
+        assert result.reward is not None, result
+        return result.reward
 
 
 async def test_server_is_up_before_the_claim(server_pool, calc_task):

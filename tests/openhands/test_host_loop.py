@@ -19,6 +19,7 @@ from sandpool.core import errors
 from sandpool.core.metrics import Outcome
 from sandpool.core.rollout import run_rollout
 from sandpool.core.task import Task
+from sandpool.envs.scoring import default_grader
 from sandpool.integrations.openhands import SandboxLink, openhands_episode, run_conversation
 from tests.openhands.conftest import say, tool_call
 
@@ -51,7 +52,7 @@ def gold_patch_script(task: Task) -> list:
 
 async def test_conversation_that_applies_the_gold_patch_scores_one(pool, calc_task):
     llm = TestLLM.from_messages(gold_patch_script(calc_task))
-    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0)
+    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0, grader=default_grader())
     assert result.outcome is Outcome.COMPLETED, result.error
     assert result.reward == 1.0
     assert llm.remaining_responses == 0
@@ -60,7 +61,7 @@ async def test_conversation_that_applies_the_gold_patch_scores_one(pool, calc_ta
 
 async def test_conversation_that_does_nothing_scores_zero(pool, calc_task):
     llm = TestLLM.from_messages([say("I cannot fix this.")])
-    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0)
+    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0, grader=default_grader())
     assert result.outcome is Outcome.COMPLETED
     assert result.reward == 0.0
 
@@ -181,7 +182,7 @@ async def test_sandbox_killed_mid_conversation_is_infra_not_reward_zero(pool, lo
             local_backend.kill(leases[-1].sandbox)
 
     episode = openhands_episode(make_llm, callbacks=[kill_after_first_observation])
-    result = await run_rollout(pool, calc_task, episode, retries=0)
+    result = await run_rollout(pool, calc_task, episode, retries=0, grader=default_grader())
     assert result.outcome is Outcome.INFRA_FAILED
     assert result.reward is None
     assert result.error_kind in {"sandbox_died", "exec_transport"}
@@ -214,7 +215,7 @@ async def test_nothing_is_left_running_after_close(local_backend, calc_task):
     run_id = local_backend.run_id
     async with SandboxPool(local_backend, strategy="reuse") as pool:
         llm = TestLLM.from_messages(gold_patch_script(calc_task))
-        await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0)
+        await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0, grader=default_grader())
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert f"sb-{run_id}-" not in ps and run_id not in ps
     assert not SandboxLink._links
@@ -226,7 +227,7 @@ async def test_llm_endpoint_failure_is_infra_not_reward_zero(pool, calc_task):
 
     llm = TestLLM(model="test-model", scripted_responses=[tool_call("terminal", command="echo hi"),
                                   LLMServiceUnavailableError("the inference server is down")])
-    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0)
+    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0, grader=default_grader())
     assert result.outcome is Outcome.INFRA_FAILED and result.reward is None
 
 
@@ -237,7 +238,7 @@ async def test_a_prompt_past_the_context_window_is_the_policys_failure_scored_ze
 
     llm = TestLLM(model="test-model", scripted_responses=[tool_call("terminal", command="echo hi"),
                                   LLMContextWindowExceedError("prompt is 2000000 tokens, the window 128000")])
-    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0)
+    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0, grader=default_grader())
     assert result.outcome is Outcome.TASK_FAILED and result.reward == 0.0, result
     assert result.error_kind == "context_window_exceeded", result.error
 
@@ -250,7 +251,7 @@ async def test_file_editor_on_a_fifo_is_the_policys_error_not_infra(pool, calc_t
                                  tool_call("file_editor", command="view", path="/tmp/pipe"),
                                  say("done")])
     result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm, callbacks=[seen.append]),
-                               retries=0)
+                               retries=0, grader=default_grader())
     assert result.outcome is Outcome.COMPLETED and result.reward == 0.0, result.error
     view = [e for e in seen if isinstance(e, ObservationEvent)][1].observation
     assert view.is_error and "(EINVAL)" in view.text, view.text

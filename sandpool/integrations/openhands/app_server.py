@@ -17,10 +17,13 @@ sandbox claims a warm sandbox of that task from one process-wide pool (local bub
 backend; each sandbox runs the agent-server of the version openhands-ai bundles, started while
 the pool warms); its ``SandboxInfo`` exposes the ``AGENT_SERVER`` URL of a host-side relay on
 127.0.0.1 and the sandbox's own session key. Pausing freezes the sandbox's processes and closes
-the relay; resuming thaws it behind a new relay. Deleting is the end of the episode: the
-sandbox is graded with sandpool's grader, the result is appended to ``results_path`` (when
-set), and the sandbox goes back to the pool (reset in place) or, if it failed, is deleted; a
-sandbox that failed is recorded as ``infra_failed``, never as reward 0.
+the relay; resuming thaws it behind a new relay. Each sandbox is one rollout of the rollout
+accountant (:mod:`sandpool.core.rollout`), as for every other adapter. Deleting is the end of
+the episode: the accountant grades it, its record (a
+:class:`~sandpool.core.metrics.RolloutResult`, ``sandbox_id`` being the app server's id) is
+appended to ``results_path`` (when set), and the sandbox goes back to the pool (reset in place)
+or, if it failed, is deleted; a sandbox that failed is recorded as ``infra_failed``, never as
+reward 0.
 
 Differences from openhands-ai's own services: the sandbox has no network, so the agent-server
 cannot call the app server's webhooks back (the app server reads it by URL instead); paused
@@ -35,7 +38,6 @@ import importlib.metadata
 import json
 import logging
 import secrets
-import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -65,12 +67,13 @@ from openhands.app_server.services.injector import InjectorState
 from pydantic import Field
 
 from sandpool.core import errors
-from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.base import Sandbox
+from sandpool.core.metrics import RolloutResult
 from sandpool.core.pool import Lease, PoolLimits, SandboxPool
+from sandpool.core.rollout import Rollout
 from sandpool.core.task import Task
-from sandpool.envs.grading import grade
+from sandpool.envs.scoring import default_grader
 from sandpool.envs.tasks import load_tasks
 from sandpool.integrations.openhands.relay import Relay
 from sandpool.integrations.openhands.server import SESSION_KEY, agent_server_env, agent_server_service, installed_versions
@@ -95,6 +98,7 @@ def _tasks(path: str) -> dict[str, Task]:
 
 @dataclass(eq=False)
 class _Sandbox:
+    rollout: Rollout
     lease: Lease
     spec_id: str
     user_id: str | None
@@ -209,14 +213,17 @@ class SandpoolSandboxService(SandboxService):
         if task is None:
             raise SandboxError(f"sandbox spec {spec.id!r} is not a task of {self.cfg.tasks_path}")
         sandbox_id = sandbox_id or f"sandpool-{secrets.token_hex(8)}"
+        rollout = Rollout(pool, task, grader=default_grader(self.cfg.grade_timeout),
+                          on_result=lambda result: self._record(sandbox_id, result))
         try:
-            lease = await pool.acquire(task)
-            await lease.exec("git rev-parse HEAD", timeout=30.0)  # first command: TTFC
+            lease = await rollout.claim()  # its first command sets TTFC
             relay = _relay(lease.sandbox)
             await relay.start()
-        except errors.SandpoolError as exc:
+        except Exception as exc:  # recorded by the accountant (the relay's own failure: infra)
+            if not rollout.ended:
+                await rollout.fail(exc)
             raise SandboxError(f"sandpool could not start a sandbox for {task.instance_id}: {exc}") from exc
-        _STATE.sandboxes[sandbox_id] = _Sandbox(lease, spec.id, self.user_id, relay)
+        _STATE.sandboxes[sandbox_id] = _Sandbox(rollout, lease, spec.id, self.user_id, relay)
         return self._info(sandbox_id, _STATE.sandboxes[sandbox_id])
 
     async def pause_sandbox(self, sandbox_id: str) -> bool:
@@ -253,26 +260,14 @@ class SandpoolSandboxService(SandboxService):
             await sb.relay.aclose()
         if sb.status is SandboxStatus.PAUSED:
             await _STATE.pool.backend.freeze(sb.lease.sandbox, frozen=False)  # type: ignore[union-attr]
-        lease, t0 = sb.lease, time.monotonic()
-        record: dict[str, object] = {"sandbox_id": sandbox_id, "task_id": lease.task.instance_id,
-                                     "ttfc_s": lease.ttfc_s}
-        try:
-            if not lease.sandbox.alive():
-                raise errors.SandboxDied(f"sandbox {lease.id} died before the episode ended")
-            result = await grade(lease, lease.task, timeout=self.cfg.grade_timeout)
-            record.update(outcome="completed", reward=result.reward, resolved=result.resolved)
-        except Exception as exc:  # sandpool's one classifier says what the episode became
-            verdict = classify(exc)
-            if verdict is not Verdict.POLICY and lease.broken is None:
-                lease.broken = exc if isinstance(exc, errors.InfraError) else errors.InfraError(str(exc))
-            record.update(outcome=verdict.outcome.value if verdict.outcome else "fatal",
-                          reward=0.0 if verdict.scored else None, error_kind=error_kind(exc), error=str(exc))
-        record["grade_s"] = time.monotonic() - t0
+        await sb.rollout.finish()  # graded, recorded (see _record) and released
+        return True
+
+    def _record(self, sandbox_id: str, result: RolloutResult) -> None:
+        """Append the rollout's record to ``results_path``, under the app server's sandbox id."""
         if self.cfg.results_path:
             with open(self.cfg.results_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-        await lease.release(reusable=lease.broken is None)
-        return True
+                f.write(json.dumps(result.model_dump(mode="json") | {"sandbox_id": sandbox_id}) + "\n")
 
 
 class SandpoolSandboxServiceInjector(SandboxServiceInjector):

@@ -1,4 +1,4 @@
-"""One OpenHands conversation on a leased sandbox, and an episode that grades it.
+"""One OpenHands conversation on a leased sandbox, and the one-shot episode it makes.
 
 The agent loop and its LLM calls stay on the host (how an RL trainer with a local inference
 server runs OpenHands); the terminal and file-editor tools act in the sandbox
@@ -6,9 +6,11 @@ server runs OpenHands); the terminal and file-editor tools act in the sandbox
 is a fresh scratch directory, never the sandbox's path, so nothing OpenHands writes on the host
 (skills lookup, persisted output) lands in or reads from the task repo.
 
-An episode ends with sandpool's grader (:func:`sandpool.envs.grading.grade`); a sandbox that
-fails during the conversation raises its :class:`~sandpool.core.errors.InfraError`, so the
-rollout ends ``infra_failed``, never with reward 0.
+:func:`openhands_episode` makes the conversation a one-shot episode for the rollout
+accountant (:func:`sandpool.core.rollout.run_rollout`), which grades it and decides its end;
+a sandbox that fails during the conversation raises its
+:class:`~sandpool.core.errors.InfraError`, so the rollout ends ``infra_failed``, never with
+reward 0.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from openhands.sdk.llm.exceptions import LLMContextWindowExceedError
 from sandpool.core import errors
 from sandpool.core.pool import Lease
 from sandpool.core.rollout import Episode
-from sandpool.envs.grading import GradeResult, grade
 from sandpool.integrations.openhands.tools import (
     SandboxFileEditorExecutor,
     SandboxLink,
@@ -99,6 +100,7 @@ async def run_conversation(
             ``tools`` or ``mcp_config``, or any tool but the sandbox's terminal and file editor
             and the SDK's built-ins such as finish and think); nothing ran.
         InfraError: The sandbox failed during the conversation (it died, its channel broke).
+        SandboxExhausted: The policy's processes killed or starved its sandbox.
         ContextWindowExceeded: The LLM refused the prompt as longer than its context window
             (OpenHands' ``LLMContextWindowExceedError``, with no condenser to shorten it): the
             policy's failure, scored.
@@ -120,8 +122,8 @@ async def run_conversation(
 
     def on_event(event: Event) -> None:
         events.append(event)
-        # A sandbox failure ends the conversation at the next step: OpenHands would otherwise
-        # show the LLM the error and go on, on a sandbox that no longer exists.
+        # A failure that ended the rollout ends the conversation at the next step: OpenHands
+        # would otherwise show the LLM the error and go on, on a sandbox that failed.
         if link.failure is not None and "conversation" in holder:
             holder["conversation"].pause()
 
@@ -141,7 +143,7 @@ async def run_conversation(
     try:
         status = await asyncio.to_thread(run)
     except Exception as exc:
-        if link.failure is not None:  # the loop broke because the sandbox did
+        if link.failure is not None:  # the loop broke because the rollout ended
             raise link.failure from exc
         if _context_exceeded(exc):
             raise errors.ContextWindowExceeded(f"the policy's prompt outgrew its model's context window: {exc}") from exc
@@ -194,30 +196,29 @@ def openhands_episode(
     make_llm: Callable[[Lease], LLM],
     *,
     instruction: Callable[[Lease], str] = task_instruction,
-    grade_timeout: float = 300.0,
-    on_result: Callable[[Lease, ConversationResult, GradeResult], None] | None = None,
+    on_result: Callable[[Lease, ConversationResult], None] | None = None,
     **conversation_kwargs: Any,
 ) -> Episode:
     """An :data:`~sandpool.core.rollout.Episode` for :func:`~sandpool.core.rollout.run_rollout`:
-    an OpenHands conversation on the lease, then sandpool's grader.
+    an OpenHands conversation on the lease. Give ``run_rollout`` a grader (e.g.
+    :func:`sandpool.envs.scoring.default_grader`) to score it.
+
+    Usage: ``await run_rollout(pool, task, openhands_episode(make_llm), grader=default_grader())``.
 
     Args:
         make_llm: Returns the LLM for one rollout (called per attempt: a retry starts over).
         instruction: The first user message for a lease.
-        grade_timeout: Seconds the task's tests may run.
-        on_result: Called with the conversation and grade of each graded rollout.
+        on_result: Called with each finished conversation.
         **conversation_kwargs: Passed to :func:`run_conversation`.
 
     Returns:
-        An episode whose reward is :attr:`GradeResult.reward` (1.0 resolved, 0.0 not); it
-        raises the sandbox's ``InfraError`` instead of scoring an infra failure.
+        An episode that raises the sandbox's ``InfraError`` (or the policy's failure) instead
+        of ending normally.
     """
 
-    async def episode(lease: Lease) -> float:
+    async def episode(lease: Lease) -> None:
         conv = await run_conversation(lease, make_llm(lease), instruction(lease), **conversation_kwargs)
-        result = await grade(lease, lease.task, timeout=grade_timeout)
         if on_result is not None:
-            on_result(lease, conv, result)
-        return result.reward
+            on_result(lease, conv)
 
     return episode

@@ -9,9 +9,12 @@ executor on the host, so these executors are what carry each call into the sandb
 OpenHands runs the agent loop, and so the executors, on its own threads; the sandbox lives on
 the asyncio loop that claimed it. :class:`SandboxLink` carries each call onto that loop and
 waits for its result (the bridge a synchronous SDK needs; no sandbox work happens on the
-threads). The first :class:`~sandpool.core.errors.InfraError` is kept on the link: every later
-call fails at once, and :func:`run_conversation <sandpool.integrations.openhands.conversation>`
-stops the conversation and re-raises it, so an infra failure is never turned into a reward.
+threads). The first error that ends the rollout (:func:`sandpool.core.rollout.ends_rollout`:
+an infra failure, an error sandpool does not know, the policy's processes killing its
+sandbox) is kept on the link: every later call fails at once, and :func:`run_conversation
+<sandpool.integrations.openhands.conversation>` stops the conversation and re-raises it for
+the rollout accountant, so neither is ever shown to the LLM as a tool result. A file errno on
+the policy's path is shown to it, as OpenHands' own tools show one.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from openhands.tools.terminal.metadata import CmdOutputMetadata
 
 from sandpool.core import errors
 from sandpool.core.base import ExecResult
+from sandpool.core.rollout import ends_rollout
 
 if TYPE_CHECKING:
     from openhands.sdk.conversation.state import ConversationState
@@ -72,7 +76,7 @@ class SandboxLink:
 
     Attributes:
         key: The registry key the tool specs name.
-        failure: The first infra error seen; once set, every call raises it.
+        failure: The first error that ended the rollout; once set, every call raises it.
     """
 
     _links: dict[str, SandboxLink] = {}
@@ -82,7 +86,7 @@ class SandboxLink:
         self.lease = lease
         self.loop = loop or asyncio.get_running_loop()
         self.key = uuid.uuid4().hex
-        self.failure: errors.InfraError | None = None
+        self.failure: Exception | None = None
         with self._lock:
             self._links[self.key] = self
 
@@ -110,8 +114,9 @@ class SandboxLink:
         """Run the coroutine ``make()`` on the lease's loop and return its result (blocking).
 
         Raises:
-            InfraError: The sandbox failed now or earlier in this conversation.
-            TaskError: The policy's own failure, as the sandbox reported it.
+            SandboxFileError: A file errno on the policy's path (a result it sees).
+            Exception: What ended the rollout, now or earlier in this conversation (the
+                sandbox failed, the policy's processes killed it, a host error).
         """
         if self.failure is not None:
             raise self.failure
@@ -123,8 +128,9 @@ class SandboxLink:
             raise RuntimeError("SandboxLink.call blocks; call it from OpenHands' threads, not the loop")
         try:
             return asyncio.run_coroutine_threadsafe(make(), self.loop).result()  # type: ignore[arg-type]
-        except errors.InfraError as exc:
-            self.failure = exc
+        except Exception as exc:
+            if ends_rollout(exc) and self.failure is None:
+                self.failure = exc
             raise
 
     def exec(self, cmd: str | list[str], **kwargs: Any) -> ExecResult:
@@ -208,7 +214,7 @@ class SandboxFileEditorExecutor(ToolExecutor[FileEditorAction, FileEditorObserva
             return getattr(self, f"_{action.command}")(action)
         except _EditorError as exc:
             return self._error(action, str(exc))
-        except (errors.TaskError, OSError) as exc:  # e.g. a write the sandbox refused
+        except errors.SandboxFileError as exc:  # e.g. a write the sandbox refused: the policy's
             return self._error(action, f"{type(exc).__name__}: {exc}")
 
     @staticmethod

@@ -5,9 +5,14 @@ code: the workspace claims a sandbox whose agent-server is already up (it starte
 pool warmed, see :mod:`sandpool.integrations.openhands.server` for the local backend and
 :mod:`sandpool.integrations.openhands.pod_server` for Kubernetes), relays it to
 ``127.0.0.1:<port>`` (from the sandbox's unix socket, or from the pod's port through
-``pods/portforward``), and hands OpenHands that URL and the server's session key. Closing the
-workspace (or leaving its ``with`` block) releases the sandbox: reset in place for the next
-rollout, or deleted when it failed.
+``pods/portforward``), and hands OpenHands that URL and the server's session key.
+
+The workspace is one rollout of the rollout accountant (:mod:`sandpool.core.rollout`), as for
+every other adapter: :meth:`SandpoolWorkspace.finish` grades it and records how it ended; an
+error that leaves the ``with`` block ends it as the accountant says (the sandbox's failure is
+infra, its server killed from inside the policy's). Closing the workspace (or leaving its
+``with`` block) releases the sandbox: reset in place for the next rollout, or deleted when it
+failed; a rollout neither finished nor failed is given up unrecorded.
 
 OpenHands' workspace API is synchronous and the pool is asyncio: construct and use the
 workspace from a thread other than the pool's loop (``await asyncio.to_thread(...)``); its
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,21 +32,22 @@ from typing import Any, TypeVar
 import openhands.tools.file_editor  # noqa: F401
 import openhands.tools.terminal  # noqa: F401
 from openhands.sdk.workspace import CommandResult, RemoteWorkspace
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, ValidationError
 from pydantic.json_schema import SkipJsonSchema
 
 from sandpool.core import errors
 from sandpool.core.base import Sandbox
+from sandpool.core.metrics import RolloutResult
 from sandpool.core.pool import Lease, SandboxPool
+from sandpool.core.rollout import Grader, Rollout
 from sandpool.core.task import Task
-from sandpool.envs.grading import GradeResult, grade
+from sandpool.envs.scoring import default_grader
 from sandpool.integrations.openhands.relay import Relay
 from sandpool.integrations.openhands.server import SESSION_KEY
 
 __all__ = ["SandpoolWorkspace"]
 
 T = TypeVar("T")
-_PROBE = "git rev-parse HEAD"  # the first command: sets TTFC, proves the sandbox answers
 
 
 def _relay_for(sandbox: Sandbox) -> Relay:
@@ -61,7 +67,7 @@ class SandpoolWorkspace(RemoteWorkspace):
         with SandpoolWorkspace(pool, task) as ws:            # on a worker thread
             conv = Conversation(agent=agent, workspace=ws)
             conv.send_message(task.problem_statement); conv.run(); conv.close()
-            reward = ws.grade().reward
+            result = ws.finish()                         # graded and recorded: result.reward
 
     Args:
         pool: An open :class:`SandboxPool` whose backend runs the agent-server service
@@ -69,41 +75,51 @@ class SandpoolWorkspace(RemoteWorkspace):
             ``KubernetesBackend(service=agent_server_pod_service(...))``).
         task: The task; the sandbox is claimed at its ``base_commit``, and ``working_dir`` is
             its repo.
-        claim_timeout: Seconds to wait for a sandbox (default: the pool's).
+        grader: Scores the rollout at :meth:`finish` (default
+            :func:`sandpool.envs.scoring.default_grader`).
+        on_result: Called with the rollout's record when it ends (a failed claim included).
 
     Raises:
         ConfigError: The pool's sandboxes run no agent-server.
-        InfraError: No sandbox could be claimed, or it failed its first command.
+        InfraError: No sandbox could be claimed, or it failed its first command (recorded).
         RuntimeError: Constructed on the pool's own event loop thread (it would deadlock).
     """
 
     pool: SkipJsonSchema[Any] = Field(exclude=True, repr=False)
     task: SkipJsonSchema[Any] = Field(exclude=True, repr=False)
-    claim_timeout: float | None = None
+    grader: SkipJsonSchema[Any] = Field(default=None, exclude=True, repr=False)
+    on_result: SkipJsonSchema[Any] = Field(default=None, exclude=True, repr=False)
 
-    _lease: Lease | None = PrivateAttr(default=None)
+    _rollout: Rollout | None = PrivateAttr(default=None)
     _relay: Relay | None = PrivateAttr(default=None)
 
-    def __init__(self, pool: SandboxPool, task: Task, **data: Any) -> None:
+    def __init__(self, pool: SandboxPool, task: Task, grader: Grader | None = None,
+                 on_result: Callable[[RolloutResult], None] | None = None, **data: Any) -> None:
         data.setdefault("host", "http://127.0.0.1:0")  # set once the relay listens
         data.setdefault("working_dir", task.workdir)
-        super().__init__(pool=pool, task=task, **data)
+        try:
+            super().__init__(pool=pool, task=task, grader=grader, on_result=on_result, **data)
+        except ValidationError as exc:  # pydantic wraps a ValueError (an InputError) of the claim
+            cause = next((e.get("ctx", {}).get("error") for e in exc.errors()), None)
+            if isinstance(cause, errors.SandpoolError):
+                raise cause from None
+            raise
 
     def model_post_init(self, context: Any) -> None:
         """Claim a sandbox, start the relay, then let ``RemoteWorkspace`` initialise."""
         pool: SandboxPool = self.pool
         if pool.loop is None:
             raise errors.PoolClosed("the pool is not open; open it before making a SandpoolWorkspace")
-        lease = self._run(pool.acquire(self.task, timeout=self.claim_timeout))
-        self._lease = lease
+        rollout = Rollout(pool, self.task, grader=self.grader or default_grader(), on_result=self.on_result)
+        self._rollout = rollout
         try:
+            lease = self._run(rollout.claim())  # its first command sets TTFC
             key = lease.sandbox.service_env.get(SESSION_KEY)
             if key is None:
                 raise errors.ConfigError(
                     "the pool's sandboxes run no OpenHands agent-server; make the pool over "
                     "LocalBackend(service=agent_server_service()) or "
                     "KubernetesBackend(service=agent_server_pod_service())")
-            self._run(lease.exec(_PROBE, timeout=30.0))
             self._relay = _relay_for(lease.sandbox)
             self._run(self._relay.start())
             object.__setattr__(self, "host", self._relay.url)
@@ -120,15 +136,27 @@ class SandpoolWorkspace(RemoteWorkspace):
     # -- sandpool side ----------------------------------------------------------------------
 
     @property
-    def lease(self) -> Lease:
-        """The claimed sandbox.
+    def rollout(self) -> Rollout:
+        """The workspace's rollout (its record, once ended, on ``rollout.result``).
 
         Raises:
             PoolClosed: The workspace was closed.
         """
-        if self._lease is None:
+        if self._rollout is None:
             raise errors.PoolClosed("this SandpoolWorkspace was closed")
-        return self._lease
+        return self._rollout
+
+    @property
+    def lease(self) -> Lease:
+        """The claimed sandbox.
+
+        Raises:
+            PoolClosed: The workspace was closed, or its rollout ended.
+        """
+        lease = self.rollout.lease
+        if lease is None:
+            raise errors.PoolClosed("this SandpoolWorkspace's rollout has ended")
+        return lease
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         loop = self.pool.loop
@@ -159,50 +187,55 @@ class SandpoolWorkspace(RemoteWorkspace):
             lease.broken = errors.SandboxDied(f"sandbox {lease.id} died during the conversation")
             raise lease.broken
 
-    def grade(self, timeout: float = 300.0) -> GradeResult:
-        """Grade the sandbox's current state with sandpool's grader (:func:`grade`).
+    def finish(self) -> RolloutResult:
+        """End the rollout: the accountant grades the policy's change (on a pristine sandbox),
+        records the outcome and releases the sandbox.
 
-        Raises:
-            InfraError: The sandbox failed (never scored).
+        Returns:
+            The record (``completed`` with its reward, ``task_failed`` with 0.0,
+            ``infra_failed`` or ``rejected`` with ``None``).
         """
-        self.check()
-        return self._run(grade(self.lease, self.task, timeout=timeout))
+        return self._run(self.rollout.finish())
 
     def cleanup(self) -> None:
-        """Stop the relay and release the sandbox (reset for reuse, or deleted if it failed).
-
-        Idempotent.
+        """Stop the relay and release the sandbox (reset for reuse, or deleted if it failed);
+        a rollout still running is given up unrecorded. Idempotent.
         """
         relay, self._relay = self._relay, None
-        lease, self._lease = self._lease, None
+        rollout, self._rollout = self._rollout, None
         self.reset_client()  # close OpenHands' HTTP client before the relay goes
         if relay is not None:
             self._run(relay.aclose())
-        if lease is not None:
-            reusable = lease.broken is None and lease.sandbox.alive()
-            self._run(lease.release(reusable=reusable))
+        if rollout is not None and not rollout.ended:
+            self._run(rollout.abandon())
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         """Leave the ``with`` block: OpenHands' completion callback, then :meth:`cleanup`.
 
+        An error that left the block ends the rollout as the accountant places it, after
+        this mapping of OpenHands' own errors (its HTTP client losing the server):
+
         Raises:
-            InfraError: The block raised (e.g. OpenHands' HTTP client lost the server) and the
-                sandbox had failed: the error is the sandbox's, so it is reported as infra.
+            InfraError: The block raised and the sandbox had failed: the error is the
+                sandbox's, so it is reported as infra (``infra_failed``).
             ServiceKilled: The block raised and the sandbox lives but its agent-server was
                 killed or stopped: the policy's failure (``task_failed``, scored), never infra.
         """
-        mapped: errors.SandpoolError | None = None
-        if isinstance(exc_val, Exception) and not isinstance(exc_val, errors.SandpoolError):
+        running = self._rollout is not None and not self._rollout.ended
+        mapped: Exception | None = exc_val if isinstance(exc_val, Exception) else None
+        if running and isinstance(exc_val, Exception) and not isinstance(exc_val, errors.SandpoolError):
             try:
                 self.check()
-                mapped = self._server_killed()
+                mapped = self._server_killed() or exc_val
             except errors.InfraError as exc:
                 mapped = exc
         try:
             super().__exit__(exc_type, exc_val, exc_tb)
+            if running and mapped is not None and self._rollout is not None and not self._rollout.ended:
+                self._run(self._rollout.fail(mapped))
         finally:
             self.cleanup()
-        if mapped is not None:
+        if mapped is not None and mapped is not exc_val:
             raise mapped from exc_val
 
     def _server_killed(self) -> errors.ServiceKilled | None:
