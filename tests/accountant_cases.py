@@ -49,12 +49,7 @@ class Case:
 
 def cases(calc_task: Task) -> list[Case]:
     """The events, on the conftest calc task (its bug: ``add`` subtracts)."""
-    adds_test = ("diff --git a/test_more.py b/test_more.py\nnew file mode 100644\n--- /dev/null\n"
-                 "+++ b/test_more.py\n@@ -0,0 +1,2 @@\n+def test_more():\n+    assert True\n")
     no_base = "diff --git a/nope.py b/nope.py\n--- a/nope.py\n+++ b/nope.py\n@@ -1 +1 @@\n-x\n+y\n"
-    policy_error = calc_task.model_copy(update={
-        "instance_id": "calc__test-patch-1", "test_patch": adds_test,
-        "FAIL_TO_PASS": ("test_more.py::test_more",)})
     broken = calc_task.model_copy(update={"instance_id": "calc__broken-1", "test_patch": no_base})
     bad_row = calc_task.model_copy(update={"instance_id": "calc__no-such-commit-1", "base_commit": "ab" * 20})
     return [
@@ -63,10 +58,10 @@ def cases(calc_task: Task) -> list[Case]:
         Case("tampering", calc_task,
              (_write("/tmp/forge.py", _FORGE), "cat /tmp/forge.py calc.py > /tmp/c && cp /tmp/c calc.py"),
              "task_failed", 0.0, "tampering_suspected"),
-        # The policy writes the file the task's test patch adds, so the patch cannot apply to
-        # its tree: its submission broke its own grading.
-        Case("policy_error", policy_error, (_write("test_more.py", "def test_more():\n    pass\n"),),
-             "task_failed", 0.0, "grading"),
+        # The fix, and a pytest hook the patch policy refuses: the submission breaks the rules.
+        Case("policy_error", calc_task, (_write("/tmp/gold.patch", calc_task.patch), "git apply /tmp/gold.patch",
+                                         _write("conftest.py", "import os\n")),
+             "task_failed", 0.0, "patch_policy"),
         Case("infra_death", calc_task, (f"echo {KILL_MARK}", "echo after"), "infra_failed", None, "sandbox_died"),
         Case("broken_task", broken, ("git status --short",), "rejected", None, "broken_task"),
         Case("rejected_row", bad_row, ("git status --short",), "rejected", None, "input"),

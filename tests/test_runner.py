@@ -64,26 +64,23 @@ async def test_a_broken_task_is_rejected_with_the_graders_reason_and_the_batch_g
     assert sorted(r.reward for r in report.rollouts if r.task_id == calc_task.instance_id) == [1.0, 1.0]
 
 
-async def test_a_policy_that_breaks_grading_is_task_failed_with_the_graders_error(
+async def test_a_policy_whose_patch_breaks_the_rules_is_task_failed_with_the_graders_reason(
         test_images_root, calc_task, tmp_path):
     from sandpool.envs.policies import Policy
 
-    add = ("diff --git a/test_more.py b/test_more.py\nnew file mode 100644\n--- /dev/null\n"
-           "+++ b/test_more.py\n@@ -0,0 +1,2 @@\n+def test_more():\n+    assert True\n")
-    task = calc_task.model_copy(update={"test_patch": add, "FAIL_TO_PASS": ("test_more.py::test_more",)})
-
-    class PreCreate(Policy):  # writes the file the test patch adds: the patch cannot apply
-        name = "precreate"
+    class PlantsAHook(Policy):  # the fix, and a pytest hook the patch policy refuses
+        name = "hook"
 
         async def act(self, sandbox, task):
-            await sandbox.write_file("test_more.py", b"def test_more():\n    pass\n")
+            await sandbox.write_file("calc.py", b"def add(a, b):\n    return a + b\n")
+            await sandbox.write_file("conftest.py", b"import os\n")
 
     results = tmp_path / "rollouts.jsonl"
-    report = await run_batch([task], [PreCreate()], LocalBackend(test_images_root),
+    report = await run_batch([calc_task], [PlantsAHook()], LocalBackend(test_images_root),
                              rollouts_per_task=1, concurrency=1, results_path=results)
     [r] = report.rollouts
-    assert (r.outcome, r.reward) == (Outcome.TASK_FAILED, 0.0)
-    assert r.error and "test_patch did not apply" in r.error
+    assert (r.outcome, r.reward, r.error_kind) == (Outcome.TASK_FAILED, 0.0, "patch_policy")
+    assert r.error and "conftest.py" in r.error
     assert json.loads(results.read_text())["error"] == r.error
 
 

@@ -394,8 +394,7 @@ class Rollout:
                     self.lease = await self.pool.acquire(self.task)
                 else:
                     await self.lease.reset()
-                with Telemetry.span("sandpool.score", task_id=self.task.instance_id, attempt=attempt):
-                    score = await self.grader.score(self.lease, self.task, patch)
+                score = await self.grader.score(self.lease, self.task, patch)
             except Exception as exc:
                 if classify(exc) is not Verdict.INFRA or attempt == self.grade_retries:
                     return await self.fail(exc)
