@@ -245,16 +245,41 @@ async def test_a_signalled_server_serves_the_next_rollout_or_its_sandbox_is_quar
         assert quarantined == 0 and first == second
 
 
-@pytest.mark.parametrize("change", [f"prlimit --pid {SERVER_PID} --fsize=4096:4096", f"renice -n 19 -p {SERVER_PID}"])
-async def test_limits_or_priority_set_on_the_server_quarantine_its_sandbox(one_sandbox_pool, calc_task, change):
+async def test_priority_set_on_the_server_quarantines_its_sandbox(one_sandbox_pool, calc_task):
     # Same uid, no ptrace needed; the server's terminals (rollout 2's commands) would inherit it.
     def plant(ws: SandpoolWorkspace, mark: str) -> None:
-        res = ws._run(ws.lease.exec(change))
+        res = ws._run(ws.lease.exec(f"renice -n 19 -p {SERVER_PID}"))
         assert res.ok, res.err_text
 
     first, second, _, quarantined = await asyncio.to_thread(two_rollouts, one_sandbox_pool, calc_task, plant)
     assert quarantined == 1 and first != second
     assert "resource limits" in one_sandbox_pool.counters.quarantine_reasons[-1]
+
+
+async def test_the_policy_cannot_set_the_limits_of_the_server_or_the_agent(one_sandbox_pool, calc_task):
+    # The kernel lets a process set the limits of any process of its uid, and the server's
+    # terminals (rollout 2's commands) would inherit them: the backend's seccomp filter refuses
+    # prlimit on any process but the caller, so the server runs on as it started and its
+    # sandbox is reused.
+    def plant(ws: SandpoolWorkspace, mark: str) -> None:
+        def sh(command: str):  # type: ignore[no-untyped-def]
+            return ws._run(ws.lease.exec(command, timeout=60))
+
+        server = sh(f"echo {SERVER_PID}").text.strip()
+        assert "agent.py" in sh("tr '\\0' ' ' < /proc/1/cmdline").text  # the sandbox's agent
+        # Both run as the policy's uid: a refusal is the filter's, not the kernel's uid check.
+        uids = sh(f"awk '/^Uid:/ {{print $2}}' /proc/{server}/status /proc/1/status").text.split()
+        assert uids == [sh("id -u").text.strip()] * 2, uids
+        before = sh(f"cat /proc/{server}/limits").text
+        for pid in (server, "1"):
+            res = sh(f"prlimit --pid {pid} --fsize=4096:4096 --nofile=3:3")
+            assert res.exit_code == 1 and "Operation not permitted" in res.err_text, (pid, res)
+        assert sh(f"cat /proc/{server}/limits").text == before
+        # Its own limits the policy still sets (the filter refuses only another process's).
+        assert sh("ulimit -f 8 && ulimit -f").text.strip() == "8"
+
+    first, second, _, quarantined = await asyncio.to_thread(two_rollouts, one_sandbox_pool, calc_task, plant)
+    assert quarantined == 0 and first == second
 
 
 async def test_a_policy_that_kills_its_server_mid_conversation_fails_the_task_not_infra(one_sandbox_pool, calc_task):
