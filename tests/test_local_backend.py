@@ -16,6 +16,7 @@ import pytest
 from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, errors, run_rollout
 from sandpool.core.agent.client import AgentClient
 from sandpool.core.backends.local import LocalBackend, reap_stale
+from sandpool.core.backends.local._cleanup import make_run_dir
 
 from .conftest import CALC_IMAGE
 from .waiting import exec_past_marker, until
@@ -131,6 +132,19 @@ async def test_sandbox_dies_with_its_runner(test_images_root, calc_commits):
         assert run_id not in Path("/proc/self/mountinfo").read_text()
     finally:
         shutil.rmtree(state, ignore_errors=True)
+
+
+def test_a_run_directory_is_never_reaped_while_it_is_being_made(tmp_path):
+    """A run's state directory appears with its owner in it (one rename), and a directory still
+    being made is left alone: another run's preflight, reaping, never removes a live run's."""
+    being_made = tmp_path / ".0123abcd-x1"  # make_run_dir's name before its rename
+    being_made.mkdir()
+    ownerless = tmp_path / "89abcdef"  # a run killed before it wrote its owner
+    ownerless.mkdir()
+    make_run_dir(tmp_path / "fedcba98")
+    assert (tmp_path / "fedcba98" / "owner.pid").read_text() == str(os.getpid())
+    assert reap_stale(tmp_path) == ["89abcdef"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".0123abcd-x1", "fedcba98"]
 
 
 async def test_dead_agent_is_sandbox_died(local_backend):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 from sandpool.core.backends.local import _cgroup, _idmap, _oci, _quota, _views
 from sandpool.core.mounts import umount as _umount
 
-__all__ = ["reap_stale", "unmount_sandbox"]
+__all__ = ["make_run_dir", "reap_stale", "unmount_sandbox"]
 
 
 def unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
@@ -36,6 +37,17 @@ def unmount_sandbox(run_id: str, sid: str, state: Path) -> None:
     _quota.detach(state / "disk", state / "disk.img")
 
 
+def make_run_dir(run_dir: Path) -> None:
+    """Create ``run_dir`` holding ``owner.pid`` (this process), in one rename: a concurrent
+    run's :func:`reap_stale` never sees it without its owner and reaps it."""
+    if run_dir.is_dir():  # an earlier preflight of this run made it
+        return
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{run_dir.name}-", dir=run_dir.parent))
+    (tmp / "owner.pid").write_text(str(os.getpid()))
+    tmp.rename(run_dir)
+
+
 def reap_stale(state_base: Path) -> list[str]:
     """Remove what dead runs left behind: overlay mounts, cgroups and state directories.
 
@@ -51,6 +63,8 @@ def reap_stale(state_base: Path) -> list[str]:
         except (OSError, ValueError):
             owner = -1
         if owner > 0 and Path(f"/proc/{owner}").exists():
+            continue
+        if owner < 0 and run.name.startswith("."):  # being made by make_run_dir
             continue
         driver = _cgroup.detect(f"sandpool/{run.name}")
         for sb in run.glob("sb-*"):

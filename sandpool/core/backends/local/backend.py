@@ -17,7 +17,7 @@ from sandpool.core import errors
 from sandpool.core.agent import seccomp as _seccomp
 from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _snapshot, _views
 from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, host_sources, write_etc
-from sandpool.core.backends.local._cleanup import reap_stale, unmount_sandbox
+from sandpool.core.backends.local._cleanup import make_run_dir, reap_stale, unmount_sandbox
 from sandpool.core.backends.local.image import LocalImage, image_dir, load_image
 from sandpool.core.backends.local.sandbox import LocalSandbox
 from sandpool.core.base import Backend, ResourceLimits, Sandbox
@@ -117,8 +117,7 @@ class LocalBackend(Backend):
             )
         _seccomp.program()  # an architecture without a filter table is refused here
         reap_stale(self._state_base)
-        self._run_dir.mkdir(parents=True, exist_ok=True)
-        (self._run_dir / "owner.pid").write_text(str(os.getpid()))
+        make_run_dir(self._run_dir)
         await _offload(_idrange.check, self._run_dir)  # after owner.pid: a dead run's is reaped
         self._preflight_ok = True
 
