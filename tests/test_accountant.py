@@ -87,6 +87,70 @@ async def test_the_gymnasium_env_gives_the_one_outcome_table(test_images_root, c
     assert got == expected(all_cases)
 
 
+def _ended(i: int, rew, info: dict) -> tuple[str, float | None, str | None]:  # type: ignore[no-untyped-def]
+    """The end sub-env ``i`` reports (its step's reward and flags, or its reset's flags)."""
+    kind = info["error_kind"][i] if "error_kind" in info and info["_error_kind"][i] else None
+    for outcome in ("task_failed", "infra_failed", "rejected"):
+        if outcome in info and info[f"_{outcome}"][i] and info[outcome][i]:
+            if outcome == "task_failed":
+                return outcome, float(rew[i]), kind
+            assert rew is None or rew[i] != rew[i]  # NaN: never a score
+            return outcome, None, kind
+    return "completed", float(rew[i]), kind
+
+
+def _vector_episodes(all_cases: list[Case], images_root) -> tuple[dict, dict]:  # type: ignore[no-untyped-def]
+    """Every case at once, one sub-env each, stepped in one batch until each has ended; returns
+    (what each sub-env's steps reported, the accountant's record of its episode)."""
+    tasks = list({c.task.instance_id: c.task for c in all_cases}.values())
+    envs = gym.make_vec(ENV_ID, num_envs=len(all_cases), tasks=tasks, lookahead=False,
+                        backend_options={"images_root": str(images_root)}, step_timeout=60.0,
+                        grade_timeout=120.0)
+    seen: dict[str, tuple[str, float | None, str | None]] = {}
+    try:
+        _, info = envs.reset(seed=0, options={"task_ids": [c.task.instance_id for c in all_cases]})
+        sandboxes = [info["sandbox_id"][i] if info["_sandbox_id"][i] else None for i in range(len(all_cases))]
+        for i, case in enumerate(all_cases):
+            if "reset_failed" in info and info["_reset_failed"][i]:
+                seen[case.name] = _ended(i, None, info)
+        k = 0
+        while len(seen) < len(all_cases):
+            actions = ["true" if c.name in seen else c.commands[k] if k < len(c.commands) else "submit"
+                       for c in all_cases]
+            obs, rew, term, trunc, info = envs.step(actions)
+            for i, case in enumerate(all_cases):
+                if case.name in seen:
+                    continue
+                if term[i] or trunc[i]:
+                    seen[case.name] = _ended(i, rew, info)
+                elif KILL_MARK in obs["stdout"][i]:
+                    sandbox = envs.sandbox(i)
+                    envs.pool.pool.backend.kill(sandbox)
+                    wait_until(lambda: not sandbox.alive(), "the killed sandbox's channel to close")
+            k += 1
+        records = envs.report().rollouts
+    finally:
+        envs.close()
+    recorded = {}
+    for case, sid in zip(all_cases, sandboxes):
+        # The sub-env's own episode: its first record of its task in its sandbox (an autoreset
+        # after it may run more episodes).
+        r = next(r for r in records if r.task_id == case.task.instance_id and r.sandbox_id == sid)
+        recorded[case.name] = (r.outcome.value, r.reward, r.error_kind)
+    return seen, recorded
+
+
+async def test_the_gymnasium_vector_env_gives_the_one_outcome_table(test_images_root, calc_task):
+    """Every event in one batch, each in its own sub-env: each sub-env reports, and the
+    accountant records, the one table, whatever the others in the batch do (a rejected row
+    included: its reset fails alone, flagged, and the batch steps on)."""
+    all_cases = cases(calc_task)
+    seen, recorded = await asyncio.to_thread(_vector_episodes, all_cases, test_images_root)
+    show("Gymnasium vector env (make_vec sandpool/SWE-v0), as stepped", seen)
+    assert seen == expected(all_cases)
+    assert recorded == expected(all_cases)
+
+
 def test_a_gymnasium_step_reports_what_the_accountant_recorded(test_images_root, calc_task):
     """The step's reward and flags come from the record: tampering is a terminal score of 0
     with its evidence, an infra death a NaN that is flagged, never a score."""

@@ -444,6 +444,34 @@ def test_autoreset_onto_a_task_that_cannot_run_is_rejected_and_keeps_the_batch(
         envs.close()
 
 
+@pytest.mark.parametrize("mode", ["nan", "raise"])
+def test_a_reset_onto_a_task_that_cannot_run_fails_only_that_sub_env(opts: dict, task: Task, mode: str) -> None:
+    """The first reset of a batch with a task that cannot run: that sub-env alone is flagged
+    rejected (``"raise"``: raised after the batch, which travels with the error), the other
+    starts its episode, and the next step resets the failed one again."""
+    bad = task.model_copy(update={"instance_id": "calc__calc-bad", "base_commit": "0" * 40})
+    envs = gym.make_vec(ENV_ID, num_envs=2, on_infra_failure=mode, **{**opts, "tasks": [task, bad]})
+    try:
+        # seed s seeds sub-env 0 with s: pick one whose first draw over [task, bad] is task.
+        seed = next(s for s in range(100) if np.random.default_rng(s).integers(2) == 0)
+        reset = {"seed": seed, "options": {"task_ids": [bad.instance_id, task.instance_id]}}
+        if mode == "raise":
+            with pytest.raises(errors.InputError) as raised:
+                envs.reset(**reset)
+            obs, info = raised.value.reset_results
+        else:
+            obs, info = envs.reset(**reset)
+        assert info["reset_failed"][0] and info["rejected"][0] and not info["_reset_failed"][1]
+        assert info["task_id"].tolist() == [bad.instance_id, task.instance_id]
+        assert info["_sandbox_id"].tolist() == [False, True] and obs["exit_code"].tolist() == [-1, -1]
+        assert envs.report().failures["rejected"] == 1
+        obs, rew, term, trunc, info = envs.step(("ignored", "echo b"))
+        assert obs["stdout"][1] == "b\n" and rew[1] == 0.0 and not (term[1] or trunc[1])
+        assert info["_sandbox_id"][0] and info["task_id"][0] == task.instance_id  # reset again
+    finally:
+        envs.close()
+
+
 # -- cleanup -----------------------------------------------------------------------------------
 
 def test_close_deletes_every_sandbox_and_stops_the_thread(opts: dict) -> None:

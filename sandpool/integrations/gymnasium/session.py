@@ -417,10 +417,16 @@ class Session:
         return StepOutput(obs, INFRA_FAILURE_MODES[self.cfg.on_infra_failure], False, True, info,
                           unscored=self.rollout.error)
 
-    def failed_reset(self, exc: BaseException) -> RolloutResult | None:
-        """The unscored record a failed :meth:`reset` left (every claim failed, or the task
-        cannot run), or None when ``exc`` ended nothing (fatal, an interrupt)."""
+    def failed_reset(self, exc: BaseException, obs: dict[str, Any] | None = None) -> StepOutput | None:
+        """How a :meth:`reset` that raised ``exc`` is reported to a vector env: the unscored end
+        the accountant recorded (every claim failed, or the task cannot run), as
+        :meth:`unscored_step` says, with ``info["reset_failed"]`` and ``obs`` (default: the
+        task's observation before any command). None when ``exc`` ended nothing (fatal, an
+        interrupt): the caller raises it."""
         r = self.rollout
-        if r is None or r.result is None or r.error is not exc:
+        if r is None or r.result is None or r.error is not exc or self.task is None:
             return None
-        return r.result if r.result.outcome in (Outcome.INFRA_FAILED, Outcome.REJECTED) else None
+        if r.result.outcome not in (Outcome.INFRA_FAILED, Outcome.REJECTED):
+            return None
+        info = {"task_id": self.task.instance_id, "reset_failed": True}
+        return self.unscored_step(r.result, obs if obs is not None else self._obs()[0], info)

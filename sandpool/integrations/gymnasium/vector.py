@@ -20,14 +20,16 @@ other sub-env's step result is kept:
 
 * a sub-env whose sandbox fails mid-episode reports it as the single env would (default:
   reward NaN, ``truncated=True``, ``info["infra_failed"]``);
-* a sub-env whose autoreset fails (every claim failed: ``info["infra_failed"]``; or the drawn
-  task cannot run: ``info["rejected"]``) reports the same unscored end, with
-  ``info["reset_failed"]=True`` and its last observation, and is reset again at the next
-  step;
-* with ``on_infra_failure="raise"``, ``step`` first completes the whole batch, then raises
-  the first such sub-env's error with the batch as ``exc.step_results``
-  (``(obs, rewards, terminated, truncated, infos)``, the failed sub-envs flagged as above);
-  the env's state has advanced as if the batch had been returned, so stepping may go on.
+* a sub-env whose reset or autoreset fails (every claim failed: ``info["infra_failed"]``; or
+  its task cannot run: ``info["rejected"]``) reports the same unscored end, with
+  ``info["reset_failed"]=True`` and its last observation (its task's first one at a
+  ``reset``), and is reset again: at the next step (``NEXT_STEP``), or by the caller
+  (``DISABLED``);
+* with ``on_infra_failure="raise"``, ``step`` (``reset``) first completes the whole batch,
+  then raises the first such sub-env's error with the batch as ``exc.step_results``
+  (``(obs, rewards, terminated, truncated, infos)``; ``exc.reset_results``: ``(obs, infos)``),
+  the failed sub-envs flagged as above; the env's state has advanced as if the batch had
+  been returned, so stepping may go on.
 
 Any other error of a sub-env (a fatal backend error, a bug in a policy's wrapper, an
 interrupt) is raised after the others finished their step, whose state is kept.
@@ -238,13 +240,6 @@ class SWEVectorEnv(VectorEnv):
 
         return runner.run(gather())
 
-    def _run_all(self, runner: BackgroundPool, coros: list[Any]) -> list[Any]:
-        results = self._gather(runner, coros)
-        for r in results:  # every sub-env has finished its part; now surface the first error
-            if isinstance(r, BaseException):
-                raise r
-        return results
-
     def _batch_obs(self) -> dict[str, Any]:
         self._observations = concatenate(self.single_observation_space, self._env_obs,
                                          self._observations)
@@ -268,10 +263,13 @@ class SWEVectorEnv(VectorEnv):
 
         Returns:
             ``(obs, info)``, batched; ``info`` has ``task_id``, ``sandbox_id``, ``ttfc_s``
-            (seconds), ``claims``, each with its ``_key`` mask.
+            (seconds), ``claims``, each with its ``_key`` mask; a sub-env whose reset failed
+            has ``reset_failed`` and ``infra_failed`` or ``rejected`` instead (see the module
+            docstring).
 
         Raises:
-            InfraError: A sub-env's claims all failed (after the others finished resetting).
+            InfraError, InputError: A sub-env's reset failed and ``on_infra_failure="raise"``
+                (after the others finished resetting; the batch is ``exc.reset_results``).
             ValueError, TypeError: A malformed ``reset_mask``, ``seed`` or ``task_ids``.
         """
         self._check_open()
@@ -307,16 +305,36 @@ class SWEVectorEnv(VectorEnv):
         idx = [i for i in range(self.num_envs) if mask[i]]
         tasks = [self._pick(i, task_ids[i]) for i in idx]
         self._prefetch(runner, tasks if not self._started.any() else [])
-        results = self._run_all(runner, [self._sessions[i].reset(t) for i, t in zip(idx, tasks)])
+        results = self._gather(runner, [self._sessions[i].reset(t) for i, t in zip(idx, tasks)])
         infos: dict[str, Any] = {}
-        for i, (obs, info) in zip(idx, results):
-            self._env_obs[i] = obs
-            self._autoreset[i] = False
+        other: BaseException | None = None  # raised once the rest of the batch is kept
+        unscored: list[Exception] = []
+        for i, r in zip(idx, results):
+            if isinstance(r, BaseException):
+                failed = self._sessions[i].failed_reset(r)
+                if failed is None:
+                    other = other or r
+                    continue
+                # Recorded unscored: reported as a failed autoreset is, and reset again.
+                self._env_obs[i], info = failed.obs, failed.info
+                if failed.unscored is not None:
+                    unscored.append(failed.unscored)
+                self._autoreset[i] = True
+            else:
+                self._env_obs[i], info = r
+                self._autoreset[i] = False
             self._started[i] = True
             infos = self._add_info(infos, info, i)
+        if other is not None:
+            raise other
         if not self._started.all():
             raise ValueError("the first reset must reset every sub-env (no reset_mask)")
-        return self._batch_obs(), infos
+        batch = (self._batch_obs(), infos)
+        if unscored and self.config.on_infra_failure == "raise":
+            exc = unscored[0]
+            exc.reset_results = batch  # type: ignore[attr-defined]
+            raise exc
+        return batch
 
     def step(self, actions: Sequence[str]) -> tuple[dict[str, Any], np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
         """Step every sub-env concurrently (autoresetting ended ones in ``NEXT_STEP`` mode).
@@ -360,17 +378,14 @@ class SWEVectorEnv(VectorEnv):
         unscored: list[Exception] = []
         for i, r in enumerate(results):
             if isinstance(r, BaseException):
-                session = self._sessions[i]
-                failed = session.failed_reset(r) if resetting[i] else None
+                failed = self._sessions[i].failed_reset(r, self._env_obs[i]) if resetting[i] else None
                 if failed is None:
                     other = other or r
                     continue
                 # The autoreset failed (every claim failed, or the drawn task cannot run;
                 # already recorded): reported like an unscored end mid-episode, and the next
                 # step resets again.
-                tid = session.task.instance_id if session.task else None
-                r = session.unscored_step(failed, self._env_obs[i] or {},
-                                          {"task_id": tid, "reset_failed": True})
+                r = failed
             if isinstance(r, StepOutput):
                 self._env_obs[i], info = r.obs, r.info
                 rewards[i], terminated[i], truncated[i] = r.reward, r.terminated, r.truncated
