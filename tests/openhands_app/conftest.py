@@ -54,7 +54,11 @@ class AppServer:
 def app_server(tmp_path_factory: pytest.TempPathFactory, calc_task, test_images_root) -> Iterator[AppServer]:
     d = tmp_path_factory.mktemp("app")
     tasks = d / "tasks.jsonl"
-    tasks.write_text(calc_task.model_dump_json() + "\n")
+    # The calc task and the outcome table's tasks that cannot run (one spec each).
+    from tests.accountant_cases import cases
+
+    specs = {c.task.instance_id: c.task for c in cases(calc_task)}
+    tasks.write_text("".join(t.model_dump_json() + "\n" for t in specs.values()))
     port = _free_port()
     kind = "sandpool.integrations.openhands."
     env = {

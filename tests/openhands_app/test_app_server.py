@@ -22,6 +22,7 @@ from openhands.tools.file_editor import FileEditorTool
 from openhands.tools.terminal import TerminalTool
 
 from sandpool.core.paths import sandpool_home
+from tests.accountant_cases import KILL_MARK, Case, cases, expected, show
 
 
 def agent_url(info: dict) -> str:
@@ -102,25 +103,30 @@ def test_conversation_that_does_nothing_scores_zero(app_server, calc_task):
     assert rec["outcome"] == "completed" and rec["reward"] == 0.0
 
 
+def kill_sandbox(info: dict, workdir: str) -> None:
+    """SIGKILL the app server's sandbox ``info`` from the host, as an OOM kill would."""
+    # Find it on the host by a file the agent-server writes into its repo (it lands in that
+    # sandbox's overlay).
+    marker = f"kill-me-{info['id']}"
+    ws = RemoteWorkspace(host=agent_url(info), api_key=info["session_api_key"], working_dir=workdir)
+    assert ws.execute_command(f"touch {marker}", cwd=workdir).exit_code == 0
+    ws.reset_client()
+    # The overlay's upper layer is <state>/upper, or <state>/disk/upper under a disk quota.
+    (hit,) = [*sandpool_home().glob(f"local/*/sb-*/upper/{marker}"),
+              *sandpool_home().glob(f"local/*/sb-*/disk/upper/{marker}")]
+    state = next(p for p in hit.parents if p.name.startswith("sb-"))
+    # Its bubblewrap's binds name the sandbox's public directory /run/sandpool/<run>/<sid>/.
+    pids = subprocess.run(["pgrep", "-f", "--", f"bwrap .*/{state.name}/"], capture_output=True,
+                          text=True).stdout.split()
+    assert pids
+    for pid in pids:
+        os.kill(int(pid), signal.SIGKILL)
+
+
 def test_a_sandbox_killed_before_delete_is_infra_not_reward_zero(app_server, calc_task):
     with app_server.api() as api:
         info = api.post("/sandboxes", params={"sandbox_spec_id": calc_task.instance_id}).json()
-        # Find the sandbox on the host by a file the agent-server writes into its repo (it
-        # lands in that sandbox's overlay), then SIGKILL its bubblewrap, as an OOM kill would.
-        marker = f"kill-me-{info['id']}"
-        ws = RemoteWorkspace(host=agent_url(info), api_key=info["session_api_key"], working_dir=calc_task.workdir)
-        assert ws.execute_command(f"touch {marker}", cwd=calc_task.workdir).exit_code == 0
-        ws.reset_client()
-        # The overlay's upper layer is <state>/upper, or <state>/disk/upper under a disk quota.
-        (hit,) = [*sandpool_home().glob(f"local/*/sb-*/upper/{marker}"),
-                  *sandpool_home().glob(f"local/*/sb-*/disk/upper/{marker}")]
-        state = next(p for p in hit.parents if p.name.startswith("sb-"))
-        # Its bubblewrap's binds name the sandbox's public directory /run/sandpool/<run>/<sid>/.
-        pids = subprocess.run(["pgrep", "-f", "--", f"bwrap .*/{state.name}/"], capture_output=True,
-                              text=True).stdout.split()
-        assert pids
-        for pid in pids:
-            os.kill(int(pid), signal.SIGKILL)
+        kill_sandbox(info, calc_task.workdir)
         (got,) = api.get("/sandboxes", params={"id": info["id"]}).json()
         deadline = time.monotonic() + 60  # the pool notices the death when the agent's pipe closes
         while got["status"] != "ERROR" and time.monotonic() < deadline:
@@ -130,3 +136,33 @@ def test_a_sandbox_killed_before_delete_is_infra_not_reward_zero(app_server, cal
         assert api.delete(f"/sandboxes/{info['id']}", params={"sandbox_id": info["id"]}).status_code == 200
     (rec,) = [r for r in results(app_server) if r["sandbox_id"] == info["id"]]
     assert rec["outcome"] == "infra_failed" and rec["reward"] is None
+
+
+def _app_episode(app_server, case: Case) -> tuple[str, float | None, str | None]:
+    """One case as an app server client runs it: start a sandbox of its task, converse (the
+    scripted LLM runs its commands in the terminal), delete the sandbox; returns the record
+    the accountant appended. A command showing the kill mark ends the conversation, and the
+    sandbox is killed from the host."""
+    before = len(results(app_server))
+    with app_server.api() as api:
+        r = api.post("/sandboxes", params={"sandbox_spec_id": case.task.instance_id})
+        if r.status_code == 200:  # else its claim failed: recorded as it ended
+            info = r.json()
+            commands = list(case.commands)
+            killed = next((i for i, c in enumerate(commands) if KILL_MARK in c), None)
+            steps = [{"tool": "terminal", "arguments": {"command": f"cd {case.task.workdir} && {c}"}}
+                     for c in commands[:None if killed is None else killed + 1]]
+            converse(info, case.task.workdir, [*steps, {"text": "done"}])
+            if killed is not None:
+                kill_sandbox(info, case.task.workdir)
+            assert api.delete(f"/sandboxes/{info['id']}", params={"sandbox_id": info["id"]}).status_code == 200
+    (rec,) = results(app_server)[before:]
+    assert rec["task_id"] == case.task.instance_id
+    return rec["outcome"], rec["reward"], rec["error_kind"]
+
+
+def test_the_app_server_gives_the_one_outcome_table(app_server, calc_task):
+    all_cases = cases(calc_task)
+    got = {case.name: _app_episode(app_server, case) for case in all_cases}
+    show("OpenHands app server (openhands-ai sandbox service)", got)
+    assert got == expected(all_cases)
