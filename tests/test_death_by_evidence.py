@@ -1,8 +1,9 @@
 """Whose a sandbox's death is, decided by evidence, on real bubblewrap sandboxes.
 
 The policy cannot signal its sandbox's agent (it is the sandbox's pid 1), so an agent killed
-by SIGKILL from the host (its OOM killer, an operator, the node) is infra: unscored, retried,
-NaN in Gymnasium, during a command, between steps and during grading alike. A death is the
+by SIGKILL from the host (its OOM killer, an operator, the node) is infra, during a command,
+between steps and during grading alike: unscored and retried (NaN in Gymnasium mid-episode;
+during grading, the same patch is scored again on another pristine sandbox). A death is the
 policy's only when the kernel counted its sandbox's own budget exhausted (a memory-cgroup OOM
 or a refused fork in the agent's group): then it is scored 0, never retried.
 """
@@ -124,33 +125,44 @@ async def test_agent_killed_from_the_host_during_grading_is_infra_and_retried(te
     assert set(pool.counters.infra_errors) == {"sandbox_died"}, pool.counters.infra_errors
 
 
-def test_agent_killed_from_the_host_gives_nan_in_gymnasium_mid_episode_and_in_grading(
+def test_agent_killed_from_the_host_is_nan_mid_episode_and_graded_again_in_gymnasium(
         test_images_root, calc_task):
+    """Mid-episode the episode ends unscored (NaN); during grading the same patch is scored
+    again on another pristine sandbox: the death is counted, never a reward of its own."""
     env = gym.make(ENV_ID, tasks=[calc_task], backend_options={"images_root": str(test_images_root)},
                    step_timeout=30.0, grade_timeout=120.0)
     try:
-        for phase in ("step", "grading"):
-            env.reset(seed=0)
-            sb = env.unwrapped.sandbox
-            backend = env.unwrapped.pool.pool.backend
-            if phase == "step":
-                _kill_agent(sb)
-                wait_until(lambda sb=sb: not sb.alive(), "the killed agent's channel to close")
-                action = "echo hi"
-            else:
-                env.unwrapped.write_file("/tmp/gold.patch", calc_task.patch)
-                env.step("git apply /tmp/gold.patch")
-                threading.Thread(target=lambda backend=backend: _kill_agent(
-                    wait_until(lambda: _running(backend, "pytest"), "grading's test run")),
-                    daemon=True).start()
-                action = "submit"
-            with warnings.catch_warnings(record=True):  # Gymnasium's checker flags a NaN (once)
-                warnings.simplefilter("always")
-                _, reward, term, trunc, info = env.step(action)
-            assert math.isnan(reward) and trunc and not term, (phase, reward, info)
-            assert info["infra_failed"] and info["error_kind"] == "sandbox_died", (phase, info)
+        env.reset(seed=0)
+        sb = env.unwrapped.sandbox
+        _kill_agent(sb)
+        wait_until(lambda: not sb.alive(), "the killed agent's channel to close")
+        with warnings.catch_warnings(record=True):  # Gymnasium's checker flags a NaN (once)
+            warnings.simplefilter("always")
+            _, reward, term, trunc, info = env.step("echo hi")
+        assert math.isnan(reward) and trunc and not term, (reward, info)
+        assert info["infra_failed"] and info["error_kind"] == "sandbox_died", info
+
+        env.reset(seed=0)
+        pool = env.unwrapped.pool.pool
+        env.unwrapped.write_file("/tmp/gold.patch", calc_task.patch)
+        env.step("git apply /tmp/gold.patch")
+        killed: list[LocalSandbox] = []
+
+        def kill_grading() -> None:
+            # The grading's isolated test run (sandbox_side/runner.py) is the sign it has begun.
+            sb = wait_until(lambda: _running(pool.backend, "/runner.py"), "grading's test run")
+            _kill_agent(sb)
+            killed.append(sb)
+
+        killer = threading.Thread(target=kill_grading, daemon=True)
+        killer.start()
+        _, reward, term, trunc, info = env.step("submit")
+        killer.join()
+        assert killed, "grading's test run was never seen"
+        assert (reward, term, trunc, info["infra_failed"], info["resolved"]) == (1.0, True, False, False, True)
+        assert pool.counters.infra_errors == {"sandbox_died": 2}, pool.counters.infra_errors
         report = env.unwrapped.report()
-        assert report.failures["infra_failed"] == 2 and report.reward.scored == 0
+        assert report.failures["infra_failed"] == 1 and report.failures["completed"] == 1
     finally:
         env.close()
 
