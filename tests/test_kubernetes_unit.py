@@ -400,7 +400,8 @@ def test_a_read_only_root_puts_repo_tmp_and_service_dir_on_one_volume(disk_bytes
     assert spec["initContainers"][0]["volumeMounts"][0]["name"] == m.SCRATCH_VOLUME
     plain = m.pod_spec(m.PodImage("x:1"), container="c", command=["sleep"], resources={},
                        runtime_class=None, node_selector=None, tolerations=None)
-    assert "volumes" not in plain and "securityContext" not in plain["containers"][0]
+    assert "volumes" not in plain
+    assert plain["containers"][0]["securityContext"] == {"capabilities": {"drop": ["NET_RAW"]}}
 
 
 @pytest.fixture

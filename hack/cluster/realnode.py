@@ -13,8 +13,9 @@ systems, limits, pulls, network namespaces) is tested there, while kwok keeps th
   sandbox image (``sandpool.test/pause:3.10``) is pushed there at ``up``;
   :func:`push` adds more (``cluster.py push``);
 * pods get a network namespace from Debian's CNI ``ptp`` plugin and no network: the node
-  rejects every packet from the node's pod subnet (iptables ``INPUT`` and ``FORWARD``), as a
-  cluster whose default NetworkPolicy denies all traffic;
+  rejects every packet from the node's pod subnet (iptables ``INPUT`` and ``FORWARD``), and
+  the ``tuning`` plugin disables IPv6 in the pod, as a cluster whose default NetworkPolicy
+  denies all traffic;
 * the kubelet's ``podPidsLimit`` caps every pod's processes (Kubernetes has no per-pod field);
   CPU and memory come from each pod's ``resources.limits``;
 * ``RuntimeClass`` ``sandpool-runc`` maps to a second containerd runtime handler that is runc
@@ -200,7 +201,11 @@ def _start_node(state: dict[str, Any], node: dict[str, Any], bins: Path, pki: Pa
         "cniVersion": "1.0.0", "name": "sandpool", "plugins": [{
             "type": "ptp", "ipMasq": False,
             "ipam": {"type": "host-local", "ranges": [[{"subnet": node["subnet"]}]],
-                     "dataDir": str(base / "cni" / "ipam")}}]}, indent=2))
+                     "dataDir": str(base / "cni" / "ipam")}},
+            # No IPv6 on the pod's veth (loopback keeps ::1): its link-local address would
+            # reach the node round the IPv4 rules below.
+            {"type": "tuning", "sysctl": {"net.ipv6.conf.default.disable_ipv6": "1",
+                                          "net.ipv6.conf.eth0.disable_ipv6": "1"}}]}, indent=2))
     for chain in ("INPUT", "FORWARD"):
         _sh("iptables", "-I", chain, "-s", node["subnet"], "-m", "comment", "--comment",
             node["comment"], "-j", "REJECT")

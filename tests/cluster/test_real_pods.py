@@ -124,6 +124,52 @@ async def test_commands_have_no_network(real_sandbox, real_node):
         srv.close()
 
 
+#: Run in the pod after an IPv4 packet to its gateway (the node's side of its veth): the
+#: pod's IPv6 addresses, whether it may open a raw socket, and a TCP connect to the node's
+#: side over IPv6 link-local (its EUI-64 address, from the gateway's MAC in the ARP cache).
+_IPV6_PROBE = """
+import socket, sys
+print("v6:", sorted(ln.split()[-1] for ln in open("/proc/net/if_inet6")))
+try:
+    socket.socket(socket.AF_PACKET, socket.SOCK_RAW).close()
+    print("raw: yes")
+except OSError as exc:
+    print("raw:", exc.strerror)
+gw = sys.argv[1]
+mac = next(ln.split()[3] for ln in open("/proc/net/arp").read().splitlines()[1:]
+           if ln.split()[0] == gw).split(":")
+mac[0] = "%02x" % (int(mac[0], 16) ^ 2)
+peer = "fe80::%s%s:%sff:fe%s:%s%s%%eth0" % tuple(mac)
+try:
+    socket.create_connection((peer, int(sys.argv[2])), timeout=10)
+    print("v6 node: connected")
+except OSError as exc:
+    print("v6 node:", exc.strerror)
+"""
+
+
+async def test_commands_have_no_ipv6_and_no_raw_sockets(real_sandbox, real_node):
+    """The node rejects the pod subnet's IPv4; IPv6 link-local (an address every veth has,
+    that no IPv4 rule sees) and raw frames (a forged source address) must not get round it:
+    the pod's veth has no IPv6 address (loopback keeps ::1) and the pod no CAP_NET_RAW."""
+    sb = real_sandbox
+    srv = socket.socket(socket.AF_INET6)
+    srv.bind(("::", 0))  # every address of the node, link-local ones included
+    srv.listen(8)
+    port = srv.getsockname()[1]
+    try:
+        node = next(n for n in real_node.state["real_nodes"] if n["name"] == real_node.name)
+        gateway = node["subnet"].rsplit(".", 1)[0] + ".1"
+        poke = f"import socket; socket.create_connection(({gateway!r}, {port}), timeout=10)"
+        assert (await sb.exec(["python3", "-c", poke], timeout=60)).exit_code != 0
+        res = await sb.exec(["python3", "-c", _IPV6_PROBE, gateway, str(port)], timeout=60)
+        lines = res.text.splitlines()
+        assert lines[:2] == ["v6: ['lo']", "raw: Operation not permitted"], res
+        assert lines[2].startswith("v6 node: ") and "connected" not in lines[2], res
+    finally:
+        srv.close()
+
+
 async def test_cpu_memory_and_pid_limits_come_from_the_pod_spec(real_sandbox, real_node, cluster,
                                                                namespace):
     sb = real_sandbox

@@ -135,6 +135,9 @@ def pod_spec(
                 "workingDir": pi.workdir,
                 "env": [{"name": k, "value": v} for k, v in pi.env.items()],
                 "resources": dict(resources),
+                # A raw socket forges what the node's rules match (a source address, an
+                # IPv6 frame): no network means none.
+                "securityContext": {"capabilities": {"drop": ["NET_RAW"]}},
             }
         ],
         "restartPolicy": "Never",
