@@ -30,7 +30,7 @@ Ops:
                 verifies the result; this op only does the work (``errnos``: each failure's).
     writable    {skip: [abs, ...], times?: {path: [atime_ns, mtime_ns]}}
                 -> {entries: {path: desc}, times: {path: [atime_ns, mtime_ns] | status},
-                    root_writable, over}
+                    root_writable, over, own}
                 every path on a writable mount (``/proc/self/mountinfo``) but those at or
                 below ``skip`` and on :data:`_KERNEL_FS`, described by type, mode, owner,
                 size, sha256 of the bytes (read without moving their atime where it may),
@@ -39,7 +39,8 @@ Ops:
                 given one in the request was set back to it (a status instead, as
                 :func:`_set_times` says, where it could not be). ``root_writable``: ``/``
                 itself is writable (nothing is walked); ``over``: past :data:`_WRITABLE_MAX`
-                entries or bytes hashed (the listing stops there)
+                entries or bytes hashed (the listing stops there); ``own``: the agent's
+                own scheduling, affinity, OOM score and core dump filter (:func:`_own_state`)
     meta        {root, skip?: [rel, ...], restore?: {rel: meta}} -> {meta: {rel: meta | error}}
                 every path under ``root`` ("." and "./<path>", as ``find .``), meta = {t:
                 [atime_ns, mtime_ns], o: [uid, gid], x: {name: b64}}, after those given were
@@ -747,6 +748,31 @@ def _set_times(path, want):
         raise
 
 
+def _own_state():
+    """The agent's own state a process of its uid may set and it cannot set back without
+    CAP_SYS_NICE: each thread's scheduling policy, real-time priority, nice and CPU
+    affinity (``/proc/self/task``), its OOM score adjustment and core dump filter."""
+    threads = set()
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open("/proc/self/task/%s/stat" % tid, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # fields[0] is field 3
+            with open("/proc/self/task/%s/status" % tid) as f:
+                cpus = [ln.split()[1] for ln in f if ln.startswith("Cpus_allowed_list:")]
+        except OSError:
+            continue  # a request's thread that ended
+        threads.add("policy=%s rt=%s nice=%s cpus=%s" % (
+            fields[38].decode(), fields[37].decode(), fields[16].decode(), cpus))
+    out = sorted(threads)
+    for name in ("oom_score_adj", "coredump_filter"):
+        try:
+            with open("/proc/self/" + name) as f:
+                out.append("%s=%s" % (name, f.read().strip()))
+        except OSError as exc:
+            out.append("%s: %s" % (name, exc.strerror))
+    return out
+
+
 def _writable(req):
     skip = [s.rstrip("/") or "/" for s in req.get("skip") or []]
     restore = req.get("times") or {}
@@ -805,7 +831,8 @@ def _writable(req):
             times[path] = "error: %s" % exc
             continue
         times[path] = [st.st_atime_ns, st.st_mtime_ns] if done == "set" else done
-    return {"entries": entries, "times": times, "root_writable": False, "over": budget[1] < 0}
+    return {"entries": entries, "times": times, "root_writable": False, "over": budget[1] < 0,
+            "own": _own_state()}
 
 
 def _listdir_noatime(path):

@@ -45,10 +45,12 @@ _DEATH_WAIT_S = 30.0
 
 @dataclass(frozen=True)
 class _Listing:
-    """The agent's ``writable`` answer: each path's description, and its times."""
+    """The agent's ``writable`` answer: each path's description, its times, and the
+    agent's own state (``own``)."""
 
     entries: dict[str, str]
     times: dict[str, Any]
+    own: list[str] | None = None
 
 
 class KubernetesSandbox(AgentSandbox):
@@ -150,7 +152,7 @@ class KubernetesSandbox(AgentSandbox):
             why = "its root file system is writable" if msg["root_writable"] else "too many paths"
             raise errors.SandboxStartError(f"sandbox {self.id}: what its pod can write outside "
                                            f"the repo cannot be recorded ({why})")
-        self._outside = _Listing(msg["entries"], msg["times"])
+        self._outside = _Listing(msg["entries"], msg["times"], msg.get("own"))
 
     def adopt_fresh(self, source: KubernetesSandbox) -> None:
         """Take the record :meth:`record_fresh` took through ``source``, another handle on
@@ -161,7 +163,9 @@ class KubernetesSandbox(AgentSandbox):
         """What changed since :meth:`record_fresh` among the paths the pod can write outside
         the repo, the scratch directories and its running service's directory, listed by its
         agent: ``added``, ``deleted`` or ``modified`` (type, mode, owner, bytes, link target,
-        extended attributes, or times it could not set back). First the agent sets every
+        extended attributes, or times it could not set back); also ``modified`` when the
+        agent's own scheduling, CPU affinity, OOM score or core dump filter moved (a command
+        of its uid can set them; the agent cannot set them back). First the agent sets every
         recorded path's atime and mtime back to the record's, so no moment a rollout chose
         survives (where it does not own a path, moved to now, as the scratch directories'
         are). A listing that cannot be compared is one ``modified`` entry naming why.
@@ -189,6 +193,9 @@ class KubernetesSandbox(AgentSandbox):
                 changes.append((p, "added" if p in now else "deleted"))
             elif now[p] != fresh.entries[p] or times.get(p) not in (fresh.times.get(p), *_UNSET):
                 changes.append((p, "modified"))
+        if msg.get("own") != fresh.own:  # set on the agent by a command; nothing sets it back
+            changes.append(("/proc/1 (the agent's scheduling, affinity, OOM score or core dump "
+                            "filter)", "modified"))
         return changes
 
     @property
