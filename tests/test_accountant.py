@@ -181,6 +181,36 @@ def test_a_gymnasium_step_reports_what_the_accountant_recorded(test_images_root,
 # -- the accountant's own rules, on the memory backend and on bubblewrap --------------------------
 
 
+@pytest.mark.parametrize("exc, row", [
+    (errors.SandboxExhausted("its fork bomb"), ("task_failed", 0.0, "sandbox_exhausted", True)),
+    (errors.SandboxDied("killed"), ("infra_failed", None, "sandbox_died", True)),
+    (OSError("host disk"), ("infra_failed", None, "unexpected:OSError", False)),
+    (KeyError("a bug"), ("infra_failed", None, "unexpected:KeyError", False)),
+    (errors.BrokenTaskError("gold does not resolve"), ("rejected", None, "broken_task", True)),
+    (errors.TaskValidationError("bad row"), ("rejected", None, "task_validation", True)),
+    (errors.PoolClosed("closed"), None),
+], ids=lambda v: type(v).__name__ if isinstance(v, Exception) else "")
+def test_each_error_has_one_row_of_the_outcome_table(exc, row):
+    from sandpool.core.outcome import ending_of
+
+    ending = ending_of(exc)
+    got = None if ending is None else (ending.outcome.value, ending.reward, ending.kind, ending.reusable)
+    assert got == row
+
+
+def test_a_score_is_completed_with_its_reward_or_task_failed_with_its_reason():
+    from sandpool.core.outcome import Score, scored
+
+    assert scored(Score(0.5)) == scored(Score(0.5, detail="log"))
+    assert (scored(Score(0.5)).outcome.value, scored(Score(0.5)).reward) == ("completed", 0.5)
+    refused = scored(Score(1.0, failure="conftest.py is a test hook", kind="patch_policy"))
+    assert (refused.outcome.value, refused.reward, refused.kind, refused.error) == (
+        "task_failed", 0.0, "patch_policy", "conftest.py is a test hook")
+    with pytest.raises(ValueError, match="Score.reward=1.5"):
+        Score(1.5)
+
+
+
 class _CountingGrader:
     """A grader whose first ``fail_scores`` scorings find their sandbox dead (as an OOM kill or
     an eviction of the grading sandbox would); it records every sandbox and patch it saw."""
@@ -195,7 +225,7 @@ class _CountingGrader:
         return f"patch of {lease.id}".encode()
 
     async def score(self, sandbox, task, patch):  # type: ignore[no-untyped-def]
-        from sandpool.core.rollout import Score
+        from sandpool.core.outcome import Score
 
         self.scored.append((sandbox.id, patch))
         if len(self.scored) <= self.fail_scores:
@@ -299,7 +329,7 @@ class _KillsItsFirstGradingSandbox:
         return (await lease.exec("git diff", timeout=60)).stdout
 
     async def score(self, sandbox, task, patch):  # type: ignore[no-untyped-def]
-        from sandpool.core.rollout import Score
+        from sandpool.core.outcome import Score
 
         self.scored.append(sandbox.id)
         assert (await sandbox.exec("git status --porcelain; ls -A /tmp", timeout=60)).text == ""

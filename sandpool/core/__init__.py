@@ -24,9 +24,10 @@ from sandpool.core.errors import (
     TaskValidationError,
 )
 from sandpool.core.metrics import Outcome, Report, RolloutResult, TTFCStats, Workload
+from sandpool.core.outcome import Score
 from sandpool.core.pool import Lease, PoolLimits, PoolState, SandboxPool
 from sandpool.core.reset import ResetOutcome, reset_in_place
-from sandpool.core.rollout import Episode, run_rollout
+from sandpool.core.rollout import Episode, Grader, Rollout, run_rollout
 from sandpool.core.service import ServiceSpec
 from sandpool.core.snapshot import Snapshot
 from sandpool.core.strategies import Cold, Reuse, Strategy, Warm, get_strategy
@@ -43,6 +44,7 @@ __all__ = [
     "ExecResult",
     "ExecTransportError",
     "FatalError",
+    "Grader",
     "ImageNotFound",
     "InfraError",
     "InfraTimeout",
@@ -57,6 +59,7 @@ __all__ = [
     "ResetOutcome",
     "ResourceLimits",
     "Reuse",
+    "Rollout",
     "RolloutResult",
     "Sandbox",
     "SandboxDied",
@@ -66,6 +69,7 @@ __all__ = [
     "SandboxStartError",
     "SandboxState",
     "SandpoolError",
+    "Score",
     "ServiceSpec",
     "Snapshot",
     "Strategy",

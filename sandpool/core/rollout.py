@@ -1,25 +1,11 @@
 """The one rollout accountant: claim -> episode -> grade -> outcome, reward, record, reuse.
 
-:func:`~sandpool.core.classify.classify` says whose a failure is; this module turns that, or
-a grader's :class:`Score`, into the rollout's outcome, its reward, its
+A :class:`Rollout` claims a sandbox for a task, guards the policy's actions, has a
+:class:`Grader` score the policy's change, and records the rollout's end as
+:mod:`sandpool.core.outcome` says (its outcome table): its outcome, its reward, its
 :class:`~sandpool.core.metrics.RolloutResult`, its count in the pool's telemetry and what
 becomes of its sandbox. The runner, Gymnasium, NeMo Gym and OpenHands are adapters over it,
-so one event has one outcome everywhere:
-
-========================================================  ================  =======
-what happened                                             outcome           reward
-========================================================  ================  =======
-the grader scored the submission                          ``completed``     score
-its :attr:`Score.failure` (suspected tampering, a         ``task_failed``   0.0
-refused patch, its code broke the test run)
-the policy's error (``TaskError``: its own exception, its ``task_failed``   0.0
-processes killed or starved the sandbox, a file errno it
-left unhandled) while it acts or its change is captured
-infra (``InfraError``, a host ``OSError``, an error       ``infra_failed``  None
-sandpool does not know), after the retries below
-the input's (``InputError``: a bad row, an unknown        ``rejected``      None
-image, a base commit not in it, a broken task)
-========================================================  ================  =======
+so one event has one outcome everywhere.
 
 * Retries, all on infra only: the claim and its first command, up to ``claim_retries``; a
   one-shot episode, run again on a fresh claim, up to ``retries`` (a step-driven one cannot
@@ -29,9 +15,8 @@ image, a base commit not in it, a broken task)
   nothing: it is a result the policy sees.
 * ``FatalError`` (backend unusable, pool closed) and interrupts are raised, not recorded.
 
-Never is an infra event a reward, and never is a policy failure dropped. A sandbox that ended
-on an infra error of its own, died, or saw an error sandpool does not know is deleted; any
-other goes back to the pool, whose in-place reset verifies it.
+A sandbox that ended on an infra error of its own, died, or saw an error sandpool does not
+know is deleted; any other goes back to the pool, whose in-place reset verifies it.
 
 Grading, once for every adapter: :meth:`Grader.capture` takes the policy's change as a patch
 (a value), :meth:`Lease.reset <sandpool.core.pool.Lease.reset>` makes the sandbox pristine
@@ -48,19 +33,18 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from sandpool.core import errors
 from sandpool.core.checkpoint import Checkpoints, StepLease
 from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
+from sandpool.core.outcome import Ending, Score, ending_of, ends_rollout, scored
 from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
 from sandpool.core.telemetry import Telemetry
 
-__all__ = ["Episode", "Grader", "Rollout", "Score", "ends_rollout", "repeat_result", "run_rollout",
-           "unrun_result"]
+__all__ = ["Episode", "Grader", "Rollout", "run_rollout"]
 
 #: A one-shot episode: the policy acts in the leased sandbox (raising ``TaskError`` for its own
 #: failure). With a grader, the grader scores what it did; without one, it returns the reward.
@@ -70,30 +54,6 @@ T = TypeVar("T")
 
 _PROBE = "git rev-parse HEAD"  # the first command: ends TTFC, proves the repo is at base
 _PROBE_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class Score:
-    """What a grader says about one submission.
-
-    Attributes:
-        reward: 0.0 .. 1.0 (1.0 resolved).
-        failure: Set when the submission broke the rules or its grading (suspected tampering,
-            a refused patch, its code broke the test run): the rollout is ``task_failed``,
-            reward 0, and this reason is kept.
-        kind: The error kind reported for ``failure`` (``"tampering_suspected"``,
-            ``"patch_policy"``, ``"grading"``).
-        detail: The grader's full result, for callers that show it.
-    """
-
-    reward: float
-    failure: str | None = None
-    kind: str | None = None
-    detail: object = None
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.reward <= 1.0:
-            raise ValueError(f"Score.reward={self.reward}: must be within 0.0 .. 1.0")
 
 
 class Grader(Protocol):
@@ -109,45 +69,6 @@ class Grader(Protocol):
     async def capture(self, lease: Lease, task: Task) -> bytes: ...
 
     async def score(self, sandbox: Lease, task: Task, patch: bytes) -> Score: ...
-
-
-def ends_rollout(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by one policy action, ends the rollout.
-
-    A file errno on the policy's path (:class:`~sandpool.core.errors.SandboxFileError`) is a
-    result the policy sees, and the rollout goes on; anything else ends it.
-    """
-    return not isinstance(exc, errors.SandboxFileError)
-
-
-def unrun_result(task_id: str, exc: Exception, *, rollout: int = 0, row: int | None = None,
-                 telemetry: Telemetry | None = None) -> RolloutResult:
-    """The record of a rollout that never claimed a sandbox: its row was bad, or its task's
-    image could not be had (``rejected`` or ``infra_failed`` as :func:`classify` says).
-
-    Raises:
-        FatalError: ``exc`` itself, when it is fatal.
-    """
-    verdict = classify(exc)
-    if verdict is Verdict.FATAL:
-        raise exc
-    outcome = verdict.outcome
-    assert outcome is not None and not verdict.scored  # nothing ran: nothing to score
-    if telemetry is not None:
-        telemetry.rollout_done(outcome.value)
-    return RolloutResult(task_id=task_id, rollout=rollout, outcome=outcome, attempts=0,
-                         error_kind=error_kind(exc), error=str(exc), row=row)
-
-
-def repeat_result(first: RolloutResult, rollout: int, *, telemetry: Telemetry | None = None) -> RolloutResult:
-    """The record of another rollout of a task an earlier one found ``rejected``: the same
-    outcome and reason, without running it."""
-    if first.outcome is not Outcome.REJECTED:
-        raise ValueError(f"only a rejected task's rollouts are repeated, not {first.outcome.value}")
-    if telemetry is not None:
-        telemetry.rollout_done(first.outcome.value)
-    return first.model_copy(update={"rollout": rollout, "policy": None, "attempts": 0,
-                                    "sandbox_id": None, "duration_s": 0.0, "ttfc_s": None})
 
 
 class Rollout:
@@ -299,16 +220,8 @@ class Rollout:
             file errno on the policy's path).
             PoolClosed: The rollout ended or was never claimed.
         """
-        self._active()
-        try:
+        async with self.action():
             return await self.checkpoints.run(self, act, checkpoint=checkpoint)
-        except Exception as exc:
-            if ends_rollout(exc):
-                await self.fail(exc)
-            raise
-        except BaseException:
-            await self.abandon(reusable=False)
-            raise
 
     async def finish(self) -> RolloutResult:
         """End the episode: capture the policy's change, reset the sandbox (verified, or swapped
@@ -338,7 +251,8 @@ class Rollout:
         return await self._score(patch)
 
     async def fail(self, exc: Exception) -> RolloutResult:
-        """End the rollout on ``exc`` as :func:`classify` places it (see the module table).
+        """End the rollout on ``exc`` as :func:`~sandpool.core.outcome.ending_of` says (the
+        outcome table).
 
         Returns:
             The record.
@@ -349,17 +263,14 @@ class Rollout:
         """
         if self.result is not None:  # one rollout, one record
             return self.result
-        verdict = classify(exc)
-        if verdict is Verdict.FATAL:
+        ending = ending_of(exc)
+        if ending is None:
             await self.abandon(reusable=False)
             raise exc
-        if verdict is Verdict.INFRA:
+        if ending.outcome is Outcome.INFRA_FAILED:
             self._count_infra(exc)
-        outcome = verdict.outcome
-        assert outcome is not None
         self.error = exc
-        return await self._end(outcome, 0.0 if verdict.scored else None, kind=error_kind(exc),
-                               error=str(exc), reusable=isinstance(exc, errors.SandpoolError))
+        return await self._end(ending)
 
     async def abandon(self, *, reusable: bool = True) -> None:
         """Give the sandbox back without a record (an episode its caller gave up). Idempotent."""
@@ -410,25 +321,22 @@ class Rollout:
                 await self.abandon(reusable=False)
                 raise
             self.score = score
-            if score.failure is not None:
-                return await self._end(Outcome.TASK_FAILED, 0.0, kind=score.kind or errors.TaskError.kind,
-                                       error=score.failure)
-            return await self._end(Outcome.COMPLETED, float(score.reward))
+            return await self._end(scored(score))
         raise AssertionError("unreachable: the last attempt returns")
 
-    async def _end(self, outcome: Outcome, reward: float | None, *, kind: str | None = None,
-                   error: str | None = None, reusable: bool = True) -> RolloutResult:
+    async def _end(self, ending: Ending) -> RolloutResult:
         if self.result is not None:  # one rollout, one record
             return self.result
         self.result = RolloutResult(
-            task_id=self.task.instance_id, rollout=self.rollout, outcome=outcome, reward=reward,
-            attempts=max(self.attempts, 1), ttfc_s=self._acted.ttfc_s if self._acted else None,
-            duration_s=time.monotonic() - self._t0, error_kind=kind, error=error, policy=self.policy,
-            sandbox_id=self._sandbox_id, recoveries=self.recoveries)
-        self.pool.telemetry.rollout_done(outcome.value)
+            task_id=self.task.instance_id, rollout=self.rollout, outcome=ending.outcome,
+            reward=ending.reward, attempts=max(self.attempts, 1),
+            ttfc_s=self._acted.ttfc_s if self._acted else None, duration_s=time.monotonic() - self._t0,
+            error_kind=ending.kind, error=ending.error, policy=self.policy, sandbox_id=self._sandbox_id,
+            recoveries=self.recoveries)
+        self.pool.telemetry.rollout_done(ending.outcome.value)
         lease, self.lease = self.lease, None
         if lease is not None:
-            await lease.release(reusable=reusable)
+            await lease.release(reusable=ending.reusable)
             await self.checkpoints.release(lease)  # after: its sandbox may stack on them
         if self.on_result is not None:
             self.on_result(self.result)
@@ -451,7 +359,7 @@ class Rollout:
                 if self.grader is None:
                     if value is None:
                         raise TypeError("the episode returned no reward and run_rollout got no grader")
-                    return await self._end(Outcome.COMPLETED, float(value))
+                    return await self._end(Ending(Outcome.COMPLETED, float(value)))
                 patch = await self.grader.capture(lease, self.task)
             except Exception as exc:
                 if (classify(exc) is Verdict.INFRA and self.attempts <= self.claim_retries
@@ -482,8 +390,8 @@ async def run_rollout(
 
     Each attempt claims a fresh sandbox; an infra failure while the policy acts (or its change
     is captured) runs the episode again on a new claim, up to ``retries`` times. Then
-    ``grader`` scores the change on a pristine sandbox (see the module docstring for every
-    outcome). The rollout is one ``sandpool.rollout`` span and one count in
+    ``grader`` scores the change on a pristine sandbox (see :mod:`sandpool.core.outcome` for
+    every outcome). The rollout is one ``sandpool.rollout`` span and one count in
     ``sandpool_rollouts_total`` (see :mod:`sandpool.core.telemetry`).
 
     Args:

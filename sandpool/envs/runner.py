@@ -21,7 +21,8 @@ from sandpool.core import errors
 from sandpool.core.base import Backend
 from sandpool.core.metrics import Outcome, RejectedTask, Report, RolloutResult, Workload
 from sandpool.core.pool import Lease, PoolLimits, SandboxPool
-from sandpool.core.rollout import Grader, repeat_result, run_rollout, unrun_result
+from sandpool.core.outcome import repeat_result, unrun_result
+from sandpool.core.rollout import Grader, run_rollout
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
 from sandpool.core.telemetry import PoolMetrics

@@ -18,7 +18,7 @@ Usage::
 from __future__ import annotations
 
 from sandpool.core import errors
-from sandpool.core.rollout import Score
+from sandpool.core.outcome import Score
 from sandpool.core.task import Task
 from sandpool.envs.grading.capture import capture_patch
 from sandpool.envs.grading.diff import grade_patch
@@ -29,7 +29,7 @@ __all__ = ["DiffGrader", "score_of"]
 
 
 def score_of(result: GradeResult) -> Score:
-    """The :class:`~sandpool.core.rollout.Score` of a grade.
+    """The :class:`~sandpool.core.outcome.Score` of a grade.
 
     A patch the policy refuses (kind ``patch_policy``), suspected tampering (kind
     ``tampering_suspected``) and a patch that broke its own grading (kind ``grading``: it does

@@ -23,7 +23,7 @@ from nemo_gym.base_resources_server import (
 from sandpool.core import errors
 from sandpool.core.classify import error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
-from sandpool.core.rollout import Score
+from sandpool.core.outcome import Score
 from sandpool.envs.grading import GradeResult
 from sandpool.integrations.nemo_gym.sessions import SessionClosed, UnknownSession
 

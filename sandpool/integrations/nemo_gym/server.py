@@ -51,7 +51,7 @@ from nemo_gym.base_resources_server import BaseResourcesServerConfig, SimpleReso
 from nemo_gym.server_utils import SESSION_ID_KEY
 from sandpool.core import errors
 from sandpool.core.pool import SandboxPool
-from sandpool.core.rollout import unrun_result
+from sandpool.core.outcome import unrun_result
 from sandpool.core.task import Task
 from sandpool.envs.scoring import default_grader
 from sandpool.envs.tasks import parse_task

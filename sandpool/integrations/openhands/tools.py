@@ -9,7 +9,7 @@ executor on the host, so these executors are what carry each call into the sandb
 OpenHands runs the agent loop, and so the executors, on its own threads; the sandbox lives on
 the asyncio loop that claimed it. :class:`SandboxLink` carries each call onto that loop and
 waits for its result (the bridge a synchronous SDK needs; no sandbox work happens on the
-threads). The first error that ends the rollout (:func:`sandpool.core.rollout.ends_rollout`:
+threads). The first error that ends the rollout (:func:`sandpool.core.outcome.ends_rollout`:
 an infra failure, an error sandpool does not know, the policy's processes killing its
 sandbox) is kept on the link: every later call fails at once, and :func:`run_conversation
 <sandpool.integrations.openhands.conversation>` stops the conversation and re-raises it for
@@ -36,7 +36,7 @@ from openhands.tools.terminal.metadata import CmdOutputMetadata
 
 from sandpool.core import errors
 from sandpool.core.base import ExecResult
-from sandpool.core.rollout import ends_rollout
+from sandpool.core.outcome import ends_rollout
 
 if TYPE_CHECKING:
     from openhands.sdk.conversation.state import ConversationState
