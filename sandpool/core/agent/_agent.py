@@ -748,10 +748,25 @@ def _set_times(path, want):
         raise
 
 
+#: ``ioprio_get``'s number where the agent knows it (no Python binding exists).
+_IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
+
+
+def _ioprio(tid):
+    """A thread's I/O priority (``ioprio_get(IOPRIO_WHO_PROCESS, tid)``), or None."""
+    nr = _IOPRIO_GET.get(os.uname().machine)
+    if nr is None:
+        return None
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).syscall(nr, 1, int(tid))
+
+
 def _own_state():
-    """The agent's own state a process of its uid may set and it cannot set back without
-    CAP_SYS_NICE: each thread's scheduling policy, real-time priority, nice and CPU
-    affinity (``/proc/self/task``), its OOM score adjustment and core dump filter."""
+    """The agent's own state a process of its uid may set, most of which it cannot set back
+    without CAP_SYS_NICE: each thread's scheduling policy, real-time priority, nice, CPU
+    affinity (``/proc/self/task``) and I/O priority, its OOM score adjustment and core dump
+    filter."""
     threads = set()
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -761,8 +776,8 @@ def _own_state():
                 cpus = [ln.split()[1] for ln in f if ln.startswith("Cpus_allowed_list:")]
         except OSError:
             continue  # a request's thread that ended
-        threads.add("policy=%s rt=%s nice=%s cpus=%s" % (
-            fields[38].decode(), fields[37].decode(), fields[16].decode(), cpus))
+        threads.add("policy=%s rt=%s nice=%s cpus=%s io=%s" % (
+            fields[38].decode(), fields[37].decode(), fields[16].decode(), cpus, _ioprio(tid)))
     out = sorted(threads)
     for name in ("oom_score_adj", "coredump_filter"):
         try:

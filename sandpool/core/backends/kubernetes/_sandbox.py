@@ -164,10 +164,10 @@ class KubernetesSandbox(AgentSandbox):
         the repo, the scratch directories and its running service's directory, listed by its
         agent: ``added``, ``deleted`` or ``modified`` (type, mode, owner, bytes, link target,
         extended attributes, or times it could not set back); also ``modified`` when the
-        agent's own scheduling, CPU affinity, OOM score or core dump filter moved (a command
-        of its uid can set them; the agent cannot set them back). First the agent sets every
-        recorded path's atime and mtime back to the record's, so no moment a rollout chose
-        survives (where it does not own a path, moved to now, as the scratch directories'
+        agent's own scheduling, CPU affinity, I/O priority, OOM score or core dump filter
+        moved (a command of its uid can set them; the agent cannot set most back). First
+        the agent sets every recorded path's atime and mtime back to the record's, so no
+        moment a rollout chose survives (where it does not own a path, moved to now, as the scratch directories'
         are). A listing that cannot be compared is one ``modified`` entry naming why.
 
         Returns:
@@ -194,8 +194,8 @@ class KubernetesSandbox(AgentSandbox):
             elif now[p] != fresh.entries[p] or times.get(p) not in (fresh.times.get(p), *_UNSET):
                 changes.append((p, "modified"))
         if msg.get("own") != fresh.own:  # set on the agent by a command; nothing sets it back
-            changes.append(("/proc/1 (the agent's scheduling, affinity, OOM score or core dump "
-                            "filter)", "modified"))
+            changes.append(("/proc/1 (the agent's scheduling, affinity, I/O priority, OOM score "
+                            "or core dump filter)", "modified"))
         return changes
 
     @property
