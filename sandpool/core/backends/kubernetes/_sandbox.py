@@ -167,8 +167,8 @@ class KubernetesSandbox(AgentSandbox):
         agent's own scheduling, CPU affinity, I/O priority, OOM score or core dump filter
         moved (a command of its uid can set them; the agent cannot set most back). First
         the agent sets every recorded path's atime and mtime back to the record's, so no
-        moment a rollout chose survives (where it does not own a path, moved to now, as the scratch directories'
-        are). A listing that cannot be compared is one ``modified`` entry naming why.
+        moment a rollout chose survives (where it does not own a path, moved to now, as the
+        scratch directories' are). A listing that cannot be compared is one ``modified`` entry naming why.
 
         Returns:
             None on a pod that runs no container (kwok); the changes otherwise. A sandbox
