@@ -117,7 +117,11 @@ d.load(sys.argv[2], sys.argv[3])
 c = d.client()
 box = c.containers.run(sys.argv[3], "sleep infinity", detach=True)
 box.reload()
-print(json.dumps({"pid": box.attrs["State"]["Pid"], "containerd": d._procs["containerd"].pid}), flush=True)
+paused = c.containers.run(sys.argv[3], "sleep infinity", detach=True)
+paused.pause()  # its processes frozen: a SIGKILL waits for a thaw
+paused.reload()
+print(json.dumps({"pids": [box.attrs["State"]["Pid"], paused.attrs["State"]["Pid"]],
+                  "containerd": d._procs["containerd"].pid}), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -147,12 +151,13 @@ def test_a_killed_run_s_daemon_is_reaped_and_a_stopped_one_leaves_nothing(oci_im
         assert out["returncode"] == -signal.SIGKILL, out["stderr"]
         info = json.loads(out["stdout"])
         netns = os.stat(f"/proc/{info['containerd']}/ns/net").st_ino
-        assert os.path.exists(f"/proc/{info['pid']}")  # the killed run's container outlived it
+        pids = info["pids"]  # a running container's and a paused one's
+        assert all(os.path.exists(f"/proc/{pid}") for pid in pids)  # they outlived the killed run
         d = DockerDaemon(tmp_path / "docker")
         d.start()  # reaps what the killed run left, then serves with no container
         try:
-            # Gone, not a zombie of the subreaper: the container's shim, its parent, outlived it.
-            assert not os.path.exists(f"/proc/{info['pid']}")
+            # Gone, not zombies of the subreaper: each container's shim, its parent, outlived it.
+            assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
             client = d.client()
             try:
                 assert client.containers.list(all=True) == []
@@ -161,7 +166,7 @@ def test_a_killed_run_s_daemon_is_reaped_and_a_stopped_one_leaves_nothing(oci_im
                 client.close()
         finally:
             d.stop()
-        assert not os.path.exists(f"/proc/{info['pid']}")
+        assert not any(os.path.exists(f"/proc/{pid}") for pid in pids)
         assert _traces(d, netns) == []
     finally:
         reaper.stdin.close()

@@ -244,17 +244,17 @@ class DockerDaemon:
     def _reap(self) -> None:
         """Kill what is left of a daemon on this run directory and remove its traces.
 
-        The parts die in an order that leaves no orphan behind: the daemons first (nothing
-        starts a container after them), then the containers' processes, each waited for
-        until its shim, its parent, has reaped it, and the shims last. A process whose parent
-        dies before it goes to pid 1, and an init that reaps orphans on a timer would keep it
-        in the process table after :meth:`stop` returned.
+        The parts die in an order in which no container process outlives its shim: the
+        daemons first (nothing starts a container after them), then the containers'
+        processes, each waited for until its shim, its parent, has reaped it, and the shims
+        last. A process whose parent dies before it goes to pid 1, and an init that reaps
+        orphans on a timer would keep it in the process table after :meth:`stop` returned.
 
         Raises:
             BackendUnavailable: A process still ran :data:`_KILL_TIMEOUT` seconds after its
                 SIGKILL (stuck in the kernel).
         """
-        # A frozen process cannot die; runc freezes a container while it updates its devices.
+        # A frozen process cannot die, and a paused container stays frozen after its daemon.
         freezer = _CGROUP / "freezer" / self.cgroup_parent.lstrip("/")
         for state in freezer.rglob("freezer.state"):
             with contextlib.suppress(OSError):
