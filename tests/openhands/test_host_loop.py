@@ -278,3 +278,27 @@ async def test_file_editor_refuses_a_file_over_openhands_size_limit(pool, calc_t
         await run_conversation(lease, llm, callbacks=[seen.append])
     view = [e for e in seen if isinstance(e, ObservationEvent)][1].observation
     assert view.is_error and "File is too large (64.0MB)" in view.text, view.text[:300]
+
+
+@pytest.mark.parametrize("tool, arguments", [
+    ("file_editor", {"command": "create", "path": "/tmp/new.py", "file_text": "x = '\ud800'\n"}),
+    ("file_editor", {"command": "str_replace", "path": "/testbed/calc.py", "old_str": "def add",
+                     "new_str": "def \ud800"}),
+    ("terminal", {"command": "echo \udcff"}),
+], ids=["create", "str_replace", "terminal"])
+async def test_llm_output_no_utf8_can_hold_is_the_policys_failure_not_infra(pool, calc_task, tool, arguments):
+    # JSON's "\ud800" decodes to a lone surrogate, which OpenHands cannot record as an event:
+    # its loop stops. As infra (an error sandpool does not know), the rollout was unscored
+    # and retried, a failure the policy could choose instead of its reward 0.
+    llm = TestLLM.from_messages([tool_call(tool, **arguments), say("done")])
+    result = await run_rollout(pool, calc_task, openhands_episode(lambda lease: llm), retries=0,
+                               grader=default_grader())
+    assert (result.outcome, result.reward, result.error_kind) == (Outcome.TASK_FAILED, 0.0, "task"), result
+    assert "UTF-8 cannot encode" in result.error
+
+
+async def test_a_first_message_no_utf8_can_hold_is_the_inputs_error(pool, calc_task):
+    llm = TestLLM.from_messages([say("done")])
+    async with pool.claim(calc_task) as lease:
+        with pytest.raises(errors.InputError, match="first message cannot be encoded"):
+            await run_conversation(lease, llm, "fix \udcff")

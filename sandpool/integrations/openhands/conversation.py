@@ -25,6 +25,7 @@ from typing import Any
 from openhands.sdk import LLM, Agent, Conversation
 from openhands.sdk.event import Event, ObservationEvent
 from openhands.sdk.llm.exceptions import LLMContextWindowExceedError
+from pydantic_core import PydanticSerializationError
 
 from sandpool.core import errors
 from sandpool.core.pool import Lease
@@ -104,6 +105,9 @@ async def run_conversation(
         ContextWindowExceeded: The LLM refused the prompt as longer than its context window
             (OpenHands' ``LLMContextWindowExceedError``, with no condenser to shorten it): the
             policy's failure, scored.
+        TaskError: The LLM's output held text UTF-8 cannot encode (a lone surrogate), which
+            OpenHands cannot record: the policy's failure, scored.
+        InputError: The first message cannot be encoded as UTF-8 (nothing ran).
         Exception: Whatever the agent loop itself raised (e.g. the LLM endpoint failed, as
             OpenHands' ``ConversationRunError``); :func:`sandpool.core.classify.classify` makes
             it an infra failure, never a reward.
@@ -112,6 +116,12 @@ async def run_conversation(
         raise errors.ConfigError(f"run_conversation(agent_kwargs=...): {', '.join(host_tools)} would "
                                  "give the LLM tools that act on the host; the sandbox's terminal and "
                                  "file editor are its tools, so leave them out")
+    first = instruction or task_instruction(lease)
+    try:
+        first.encode()
+    except UnicodeEncodeError as exc:
+        raise errors.InputError(f"the conversation's first message cannot be encoded as UTF-8 ({exc}); "
+                                "fix the task's problem_statement or the instruction") from None
     link = SandboxLink(lease)
     scratch = tempfile.mkdtemp(prefix="sandpool-openhands-")
     agent = Agent(llm=llm, tools=sandbox_tool_specs(link, default_timeout=command_timeout,
@@ -133,7 +143,7 @@ async def run_conversation(
                             stuck_detection=True)
         holder["conversation"] = conv
         try:
-            conv.send_message(instruction or task_instruction(lease))  # the agent's tools are made
+            conv.send_message(first)  # the agent's tools are made
             _sandbox_tools_only(conv.agent)
             conv.run()
             return str(conv.state.execution_status.value)
@@ -145,8 +155,14 @@ async def run_conversation(
     except Exception as exc:
         if link.failure is not None:  # the loop broke because the rollout ended
             raise link.failure from exc
-        if _context_exceeded(exc):
+        if _chain(exc, lambda e: isinstance(e, LLMContextWindowExceedError)):
             raise errors.ContextWindowExceeded(f"the policy's prompt outgrew its model's context window: {exc}") from exc
+        if _unencodable(exc):
+            # Only the LLM's output can hold a lone surrogate (JSON's "\ud800"): the first
+            # message was checked, observations are decoded with replacement. OpenHands cannot
+            # record such an event and stops; as infra, a policy could choose that over a 0.
+            raise errors.TaskError(f"the policy's output holds text UTF-8 cannot encode, which "
+                                   f"ended its agent loop: {exc}") from exc
         raise  # the host-side loop's own error: sandpool's classifier calls it infra, unscored
     finally:
         link.close()
@@ -179,13 +195,21 @@ def _sandbox_tools_only(agent: Agent) -> None:
                 "sandbox; run_conversation offers only the sandbox's terminal and file editor")
 
 
-def _context_exceeded(exc: BaseException) -> bool:
-    """Whether ``exc`` or an error it wraps (OpenHands' ``ConversationRunError``) is the LLM's
-    context-window error."""
+def _unencodable(exc: BaseException) -> bool:
+    """Whether OpenHands' loop stopped because an event held text UTF-8 cannot encode: a
+    ``UnicodeEncodeError``, or pydantic's serialization error naming one (it does not chain
+    it)."""
+    return _chain(exc, lambda e: isinstance(e, UnicodeEncodeError) or (
+        isinstance(e, PydanticSerializationError) and "UnicodeEncodeError" in str(e)))
+
+
+def _chain(exc: BaseException, test: Callable[[BaseException], bool]) -> bool:
+    """Whether ``test`` holds for ``exc`` or an error it wraps (OpenHands'
+    ``ConversationRunError`` wraps the loop's)."""
     seen: set[int] = set()
     cur: BaseException | None = exc
     while cur is not None and id(cur) not in seen:
-        if isinstance(cur, LLMContextWindowExceedError):
+        if test(cur):
             return True
         seen.add(id(cur))
         cur = cur.__cause__ or cur.__context__

@@ -237,7 +237,11 @@ class SandboxFileEditorExecutor(ToolExecutor[FileEditorAction, FileEditorObserva
         return self.link.call(lambda: self.link.lease.read_file(path)).decode("utf-8", "replace")
 
     def _write(self, path: str, text: str) -> None:
-        self.link.call(lambda: self.link.lease.write_file(path, text.encode()))
+        try:
+            data = text.encode()
+        except UnicodeEncodeError as exc:  # the LLM's text (a lone surrogate): its mistake
+            raise _EditorError(f"The text cannot be written as UTF-8: {exc}") from None
+        self.link.call(lambda: self.link.lease.write_file(path, data))
 
     def _existing_file(self, path: str) -> str:
         kind = self._kind(path)
