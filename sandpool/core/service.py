@@ -10,6 +10,8 @@ in-place reset holds it to its fresh state (:meth:`Sandbox.restore_service
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -17,7 +19,7 @@ from typing import Protocol
 
 from sandpool.core import errors
 
-__all__ = ["ServiceSpec", "ServiceStream"]
+__all__ = ["ServiceSpec", "ServiceStream", "SocketStream"]
 
 
 #: Every backend's scratch directories (:attr:`~sandpool.core.base.Sandbox.scratch`), where no bind may go.
@@ -123,3 +125,27 @@ class ServiceStream(Protocol):
 
     async def aclose(self) -> None:
         """Close the connection; idempotent."""
+
+
+class SocketStream:
+    """A :class:`ServiceStream` over an asyncio socket connection (a unix socket: reads of at
+    most 64 KiB, :meth:`write_eof` ends one direction)."""
+
+    half_close = True
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._r, self._w = reader, writer
+
+    async def read(self) -> bytes:
+        return await self._r.read(1 << 16)
+
+    async def write(self, data: bytes) -> None:
+        self._w.write(data)
+        await self._w.drain()
+
+    async def write_eof(self) -> None:
+        if self._w.can_write_eof():
+            self._w.write_eof()
+
+    async def aclose(self) -> None:
+        self._w.close()

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from sandpool.core import errors
+from sandpool.core.service import SocketStream
 
 __all__ = ["Relay", "UnixRelay", "Upstream"]
 
@@ -196,7 +197,7 @@ class UnixRelay(Relay):
         path = self.path
         if self._dir_fd is not None:
             path = f"/proc/self/fd/{self._dir_fd}/{os.path.basename(self.path)}"
-        return _SocketUpstream(*await asyncio.open_unix_connection(path))
+        return SocketStream(*await asyncio.open_unix_connection(path))
 
     async def aclose(self) -> None:
         """Stop listening, cut every open connection. Idempotent."""
@@ -205,26 +206,6 @@ class UnixRelay(Relay):
             os.close(self._dir_fd)
             self._dir_fd = None
 
-
-class _SocketUpstream:
-    half_close = True
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._r, self._w = reader, writer
-
-    async def read(self) -> bytes:
-        return await self._r.read(_CHUNK)
-
-    async def write(self, data: bytes) -> None:
-        self._w.write(data)
-        await self._w.drain()
-
-    async def write_eof(self) -> None:
-        if self._w.can_write_eof():
-            self._w.write_eof()
-
-    async def aclose(self) -> None:
-        self._w.close()
 
 
 async def _answer_gone(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, why: str) -> None:

@@ -20,7 +20,7 @@ from sandpool.core.backends.local._cgroup import FIRST_COMMAND_WEIGHT, BudgetWat
 from sandpool.core.backends.local._idrange import IdRange
 from sandpool.core.backends.local.image import LocalImage
 from sandpool.core.images import OciImage
-from sandpool.core.service import ServiceStream
+from sandpool.core.service import ServiceStream, SocketStream
 from sandpool.core.snapshot import Snapshot
 
 __all__ = ["LocalSandbox"]
@@ -33,7 +33,6 @@ _FULL_BYTES = 1 << 20
 _MANY_PATHS = 100_000
 
 _SUN_PATH_MAX = 108  # bytes in sockaddr_un.sun_path (Linux), the terminating NUL included
-_CHUNK = 1 << 16
 
 
 class LocalSandbox(AgentSandbox):
@@ -397,32 +396,10 @@ async def _no_freezer(frozen: bool) -> None:
 async def _open_unix(path: Path) -> ServiceStream:
     # A path longer than a socket address holds is reached through its directory's fd.
     if len(str(path).encode()) < _SUN_PATH_MAX:
-        return _SocketStream(*await asyncio.open_unix_connection(str(path)))
+        return SocketStream(*await asyncio.open_unix_connection(str(path)))
     fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY)
     try:
-        return _SocketStream(*await asyncio.open_unix_connection(f"/proc/self/fd/{fd}/{path.name}"))
+        return SocketStream(*await asyncio.open_unix_connection(f"/proc/self/fd/{fd}/{path.name}"))
     finally:
         os.close(fd)
 
-
-class _SocketStream:
-    """One unix-socket connection to a local sandbox's service."""
-
-    half_close = True
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._r, self._w = reader, writer
-
-    async def read(self) -> bytes:
-        return await self._r.read(_CHUNK)
-
-    async def write(self, data: bytes) -> None:
-        self._w.write(data)
-        await self._w.drain()
-
-    async def write_eof(self) -> None:
-        if self._w.can_write_eof():
-            self._w.write_eof()
-
-    async def aclose(self) -> None:
-        self._w.close()
