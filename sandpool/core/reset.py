@@ -17,7 +17,9 @@ The property (not a list of cleanup steps) that a reset establishes and then ver
   rollout *added* outside the repo and ``/tmp`` (a ``pip install``, a file under ``/root`` or
   ``/dev``) is removed, and anything else it changed there (an edit in ``/etc``, a deleted or
   replaced image file) fails the check;
-* no process of the rollout is left;
+* no process of the rollout is left, and where the backend can set them from outside (the
+  local backend's host, in :meth:`Sandbox.restore_scratch`), the agent's own scheduling,
+  CPU affinity, I/O priority, OOM score and core dump filter are back to its fresh ones;
 * a long-lived service the sandbox runs beside the policy (the local backend's agent-server)
   is the process started with the sandbox, running, and its state is back to its fresh
   state (:meth:`Sandbox.restore_service`).

@@ -14,7 +14,8 @@ from sandpool.core.agent import service
 from sandpool.core.agent.channel import PipeChannel
 from sandpool.core.agent.client import AgentClient
 from sandpool.core.agent.sandbox import AgentSandbox
-from sandpool.core.backends.local import _fresh, _idmap, _oci, _overlay, _snapshot, _snapshot_oci
+from sandpool.core.backends.local import (_agent_state, _fresh, _idmap, _oci, _overlay, _snapshot,
+                                          _snapshot_oci)
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
 from sandpool.core.backends.local._cgroup import FIRST_COMMAND_WEIGHT, BudgetWatch, CgroupDriver
 from sandpool.core.backends.local._idrange import IdRange
@@ -89,6 +90,9 @@ class LocalSandbox(AgentSandbox):
         self.tmp_dir: Path | None = None
         #: Host pid of its pid 1 (the agent).
         self.init_pid = 0
+        #: The agent's own scheduling, affinity, I/O priority, OOM score and core dump filter
+        #: when fresh (:meth:`record_scratch`), set back by :meth:`restore_scratch`.
+        self._agent_fresh: _agent_state.AgentState | None = None
         #: The stacked overlay of a snapshot it was restored from, or None.
         self.stack: _snapshot.Stack | None = None
         #: An OCI sandbox's merged root and its image's read-only view, on the host.
@@ -257,9 +261,27 @@ class LocalSandbox(AgentSandbox):
         except OSError:
             return False
 
+    async def record_scratch(self, *, timeout: float = 30.0) -> None:
+        """:meth:`AgentSandbox.record_scratch`, and the agent's own process state, read on the
+        host (``_agent_state``): what a command of its uid may set on it and it cannot set back.
+
+        Raises:
+            SandboxStartError: A scratch directory or the agent's state could not be read.
+        """
+        await super().record_scratch(timeout=timeout)
+        try:
+            self._agent_fresh = await asyncio.to_thread(_agent_state.read, self.init_pid)
+        except OSError as exc:
+            raise errors.SandboxStartError(f"sandbox {self.id}: cannot read its agent's "
+                                           f"scheduling state: {exc}") from exc
+
     async def restore_scratch(self, *, timeout: float = 60.0) -> list[str] | None:
-        """A fresh ``/dev/shm`` (:meth:`fresh_shm`), then :meth:`AgentSandbox.restore_scratch`."""
+        """A fresh ``/dev/shm`` (:meth:`fresh_shm`), the agent's scheduling, affinity, I/O
+        priority, OOM score and core dump filter set back from the host to those recorded
+        fresh and compared (``_agent_state.restore``), then :meth:`AgentSandbox.restore_scratch`."""
         fresh = await asyncio.to_thread(self.fresh_shm)
+        if self._agent_fresh is not None:
+            fresh += await asyncio.to_thread(_agent_state.restore, self.init_pid, self._agent_fresh)
         rest = await super().restore_scratch(timeout=timeout)
         return None if rest is None else fresh + rest
 
