@@ -7,39 +7,29 @@
 
 Everything created carries the label ``sandpool.io/run-id=<run_id>``; :meth:`aclose` and
 :func:`gc` delete by that label, so a run removes what it made and nothing else.
-Readiness and death come from one shared watch per resource (:class:`Informer`): pods, and
-in agent-sandbox mode claims and warm pools.
+Readiness and death come from one shared watch per resource (:class:`~._watch.Informer`):
+pods, and in agent-sandbox mode claims and warm pools.
 
 The backend is composed of parts (the package's layout), each given what it uses when it is
-made; no part reads another's state. This module wires them from the backend's options, and
+made (:mod:`._parts` makes them from the backend's options); no part reads another's state.
 ``create`` is the one place that sequences them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from sandpool.core import changeset, errors
 from sandpool.core.backends.kubernetes import _manifests as m
-from sandpool.core.backends.kubernetes._claims import Claims
-from sandpool.core.backends.kubernetes._entrypoint import entrypoint
-from sandpool.core.backends.kubernetes._gc import Deleter, gc
-from sandpool.core.backends.kubernetes._http import KubeHttp, Throttle
-from sandpool.core.backends.kubernetes._images import ImageMap, PodImages
-from sandpool.core.backends.kubernetes._live import LiveSandboxes
-from sandpool.core.backends.kubernetes._manifests import ns_path
+from sandpool.core.backends.kubernetes._gc import gc
+from sandpool.core.backends.kubernetes._http import KubeHttp
+from sandpool.core.backends.kubernetes._images import ImageMap
+from sandpool.core.backends.kubernetes._parts import make_parts
 from sandpool.core.backends.kubernetes._placement import PlacementPlan
-from sandpool.core.backends.kubernetes._pods import Pods
-from sandpool.core.backends.kubernetes._preflight import Preflight
-from sandpool.core.backends.kubernetes._prepull import Placement
-from sandpool.core.backends.kubernetes._presession import Presessions
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
-from sandpool.core.backends.kubernetes._watch import Informer
 from sandpool.core.base import Backend, Sandbox
 from sandpool.core.rate import AdaptiveRate
 from sandpool.core.paths import sandpool_home
@@ -48,9 +38,6 @@ from sandpool.core.snapshot import Snapshot
 from sandpool.core.telemetry import Telemetry
 
 __all__ = ["ImageMap", "KubernetesBackend", "KubernetesSandbox", "gc"]
-
-_MODES = ("agent-sandbox", "pods")
-_DEFAULT_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}}
 
 
 class KubernetesBackend(Backend):
@@ -168,74 +155,35 @@ class KubernetesBackend(Backend):
         disk_bytes: int | None = None,
         agent_entrypoint: bool = False,
     ) -> None:
-        if mode not in _MODES:
-            raise errors.ConfigError(f"mode={mode!r} is not known; use one of {list(_MODES)}")
-        if api_retries < 0:
-            raise errors.ConfigError(f"api_retries={api_retries} must be 0 or more")
-        if disk_bytes is not None and disk_bytes <= 0:
-            raise errors.ConfigError(f"disk_bytes={disk_bytes} must be positive (or None)")
-        if service is not None and service.binds:
-            raise errors.ConfigError("ServiceSpec.binds: no host directory is bound into a pod; "
-                                     "put the service's code in the image or a volume")
-        attach = agent and agent_entrypoint
         self.kubeconfig = str(Path(kubeconfig).expanduser()) if kubeconfig else None
-        self.namespace = ns = namespace
+        self.namespace = namespace
         self.mode = mode
-        self.run_id = run = m.check_run_id(run_id) if run_id is not None else uuid.uuid4().hex[:8]
-        self.throttle = Throttle(qps, burst, max_inflight, adaptive=adaptive_rate,
-                                 cluster=cluster or "")
-        self._http = http = KubeHttp(None, self.throttle, kubeconfig=self.kubeconfig,
-                                     retries=api_retries)
-        self._images = images = PodImages(
-            image_map, container=container, command=command,
-            resources=resources or _DEFAULT_RESOURCES, runtime_class=runtime_class,
-            node_selector=node_selector or {}, tolerations=tolerations or [],
-            service_port=service.port if service is not None else None,
-            disk_bytes=disk_bytes, entrypoint=entrypoint(agent_python) if attach else None,
-        )
-        sel = f"{m.RUN_ID_LABEL}={run}"
-        pod_watch = Informer(http, ns_path(ns, "pods"), sel)
-        self._claims: Claims | None = None
-        self._watches = [pod_watch]
-        pool_watch = None
-        if mode == "agent-sandbox":
-            claim_watch = Informer(http, ns_path(ns, m.CLAIM), sel)
-            pool_watch = Informer(http, ns_path(ns, m.WARMPOOL), sel)
-            self._watches += [claim_watch, pool_watch]
-            self._claims = Claims(http, ns, run, images, claims=claim_watch, warmpools=pool_watch,
-                                  pods=pod_watch, ready_timeout=ready_timeout,
-                                  reuse_spares=reuse_spares, sandbox_objects=sandbox_objects)
-        self._presessions: Presessions | None = None
-        if self._claims is not None and agent and presessions > 0:
-            self._presessions = Presessions(
-                http, ns, run, container, images, pod_watch, self._claims.warm_pool_image,
-                limit=presessions, python=agent_python, timeout=agent_timeout, attach=attach)
-        self._live = LiveSandboxes(
-            http, ns, run, container, images, pod_watch, self._presessions, agent=agent,
-            python=agent_python, agent_timeout=agent_timeout, service=service, attach=attach,
-            containers=agent_entrypoint)
-        self._pods = Pods(http, ns, run, images, pod_watch, ready_timeout)
-        self._placement = Placement(http, ns, run, images, pod_watch)
-        self._preflight = Preflight(
-            http, ns, run, mode=mode, sandbox_objects=sandbox_objects, images=images,
-            warmpools=pool_watch, controller_timeout=controller_timeout,
-            controller_version=controller_version)
-        self._deleter = Deleter(http, ns, run, delete_batch_s)
+        parts = make_parts(
+            kubeconfig=self.kubeconfig, namespace=namespace, mode=mode, run_id=run_id, qps=qps,
+            burst=burst, adaptive_rate=adaptive_rate, cluster=cluster, max_inflight=max_inflight,
+            runtime_class=runtime_class, node_selector=node_selector, tolerations=tolerations,
+            resources=resources, image_map=image_map, container=container, command=command,
+            ready_timeout=ready_timeout, reuse_spares=reuse_spares, agent=agent,
+            controller_timeout=controller_timeout, controller_version=controller_version,
+            agent_python=agent_python, agent_timeout=agent_timeout, presessions=presessions,
+            sandbox_objects=sandbox_objects, delete_batch_s=delete_batch_s, service=service,
+            api_retries=api_retries, disk_bytes=disk_bytes, agent_entrypoint=agent_entrypoint)
+        self.run_id, self.throttle, self._http = parts.run_id, parts.throttle, parts.http
+        self._images, self._watches, self._claims = parts.images, parts.watches, parts.claims
+        self._presessions, self._live, self._pods = parts.presessions, parts.live, parts.pods
+        self._placement, self._preflight = parts.placement, parts.preflight
+        self._deleter = parts.deleter
         self._sandbox_objects = sandbox_objects
         self._announced: dict[str, int] = {}  # image -> warm sandboxes claimed per rollout
         #: Snapshot change sets of this run's pods, on this host (removed with the run).
-        self.snapshots = sandpool_home() / "kube-snapshots" / run
-        self._start_lock = asyncio.Lock()
-        self._watching = False
+        self.snapshots = sandpool_home() / "kube-snapshots" / self.run_id
         self._seq = itertools.count(1)
         self._preflight_ok = False
         self._closed = False
 
     def __repr__(self) -> str:
-        return (
-            f"<KubernetesBackend {self.mode} ns={self.namespace} run={self.run_id} "
-            f"live={len(self._live)} images={len(self._images)} writes={self.api_writes}>"
-        )
+        return (f"<KubernetesBackend {self.mode} ns={self.namespace} run={self.run_id} "
+                f"live={len(self._live)} images={len(self._images)} writes={self.api_writes}>")
 
     @property  # type: ignore[override]
     def telemetry(self) -> Telemetry:
@@ -294,11 +242,7 @@ class KubernetesBackend(Backend):
     async def _watch(self) -> None:
         """List and start every watch of the run, once."""
         await self._client()
-        if not self._watching:
-            async with self._start_lock:
-                if not self._watching:
-                    await asyncio.gather(*(w.start() for w in self._watches))
-                    self._watching = True
+        await self._watches.start()
 
     # -- images, warm pools, placement -------------------------------------------------------
 
@@ -450,6 +394,5 @@ class KubernetesBackend(Backend):
         finally:
             self._closed = True
             changeset.remove_store(self.snapshots)
-            for watch in self._watches:
-                await watch.aclose()
+            await self._watches.aclose()
             await self._http.aclose()
