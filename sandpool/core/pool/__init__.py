@@ -2,6 +2,8 @@
 
 * :mod:`~sandpool.core.pool.pool`: :class:`SandboxPool`: open and close, prepare, claim and
   release, a lease's reset, the run report;
+* :mod:`~sandpool.core.pool.claims`: the claim path: a live sandbox at the task's commit for
+  a claim, and a held lease's in-place reset or swap to a fresh sandbox;
 * :mod:`~sandpool.core.pool.entries`: what the pool holds, as entries in per-state
   collections per image, and the one place they change and decisions are made;
 * :mod:`~sandpool.core.pool.worker`: the creations, resets and deletes decided there, each
@@ -9,7 +11,8 @@
 * :mod:`~sandpool.core.pool.lease`: :class:`Lease`, a claimed sandbox;
 * :mod:`~sandpool.core.pool.snapshots`: claims restored from a snapshot, fork, suspend and
   resume of a lease;
-* :mod:`~sandpool.core.pool.limits`: :class:`PoolLimits` and the pool's lifecycle.
+* :mod:`~sandpool.core.pool.limits`: :class:`PoolLimits` and the pool's lifecycle;
+* :mod:`~sandpool.core.pool.report`: the run report from the pool's counters.
 """
 
 from sandpool.core.pool.lease import Lease

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sandpool.core import errors
 from sandpool.core.base import ExecResult, Sandbox
+from sandpool.core.pool import claims
 from sandpool.core.task import Task
 from sandpool.core.telemetry import Telemetry
 
@@ -151,7 +152,7 @@ class Lease:
             PoolClosed: The lease was released or the pool closed.
         """
         self._check()
-        await self._pool._reset_lease(self)
+        await claims.reset_lease(self._pool, self)
 
     async def snapshot(self) -> Snapshot:
         """Capture the sandbox's filesystem state: the repo and everything changed outside it

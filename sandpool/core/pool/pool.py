@@ -3,7 +3,9 @@
 :class:`SandboxPool` is the surface: open and close, prepare, claim and release, a lease's
 reset, the run report. What it holds and decides is
 :class:`~sandpool.core.pool.entries.Entries`, changed only there; the creations, resets and
-deletes decided there run in :class:`~sandpool.core.pool.worker.PoolWorker`.
+deletes decided there run in :class:`~sandpool.core.pool.worker.PoolWorker`. A claim's wait,
+checkout and a held lease's reset or swap are :mod:`~sandpool.core.pool.claims`; the run
+report is built in :mod:`~sandpool.core.pool.report`.
 """
 
 from __future__ import annotations
@@ -18,22 +20,13 @@ from prometheus_client import CollectorRegistry
 from sandpool.core import errors
 from sandpool.core.base import Backend, SandboxState
 from sandpool.core.classify import Verdict, classify
-from sandpool.core.metrics import (
-    Outcome,
-    PoolCounters,
-    RejectedTask,
-    Report,
-    RewardSummary,
-    RolloutResult,
-    TTFCStats,
-    Workload,
-)
-from sandpool.core.pool.entries import Entries, Entry
+from sandpool.core.metrics import PoolCounters, RejectedTask, Report, RolloutResult, Workload
+from sandpool.core.pool import claims, snapshots
+from sandpool.core.pool.entries import Entries
 from sandpool.core.pool.lease import Lease
-from sandpool.core.pool import snapshots
+from sandpool.core.pool.report import build_report
 from sandpool.core.pool.limits import PoolLimits, PoolState
 from sandpool.core.pool.worker import PoolWorker
-from sandpool.core.reset import checkout
 from sandpool.core.snapshot import Snapshot
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
@@ -314,7 +307,7 @@ class SandboxPool:
         with Telemetry.span("sandpool.claim", task_id=task.instance_id, image=task.image) as span:
             await self.hydrate(task.image)
             deadline = t0 + (timeout if timeout is not None else self.limits.claim_timeout)
-            entry, warm = await self._entry_at(task, deadline)
+            entry, warm = await claims.entry_at(self, task, deadline)
             self._check_open()  # closed during the checkout: the close took the sandbox
             lease = Lease(self, entry, task, t0)
             self._leases.add(lease)
@@ -329,47 +322,6 @@ class SandboxPool:
         self.counters.claims += 1
         self.counters.warm_hits += warm
         self.telemetry.claimed(warm=warm)
-
-    async def _entry_at(self, task: Task, deadline: float) -> tuple[Entry, bool]:
-        """A live sandbox of ``task.image`` leased to the caller, at ``task.base_commit``, and
-        whether it was a warm hit. A failed checkout deletes the sandbox and raises."""
-        while True:
-            entry, warm = await self._wait_for_entry(task, deadline)
-            assert entry.sandbox is not None
-            if entry.sandbox.alive():
-                break
-            self.counters.lost += 1  # died while idle: not this rollout's failure
-            self._worker.drop(entry)
-        if entry.head != task.base_commit:
-            try:
-                await checkout(entry.sandbox, task.base_commit, timeout=self.limits.reset_timeout)
-            except BaseException as exc:
-                if isinstance(exc, errors.InfraError):
-                    self._infra_error(exc.kind)
-                if entry.state is S.LEASED:  # else the pool closed and took it
-                    self._worker.drop(entry)
-                raise
-            entry.head = task.base_commit
-        return entry, warm
-
-    async def _wait_for_entry(self, task: Task, deadline: float) -> tuple[Entry, bool]:
-        """Wait for a sandbox of ``task.image``; return it and whether it was a warm hit."""
-        fut: asyncio.Future[Entry] = asyncio.get_running_loop().create_future()
-        waiter = self._entries.wait(task.image, task.base_commit, fut)
-        self._worker.assign()
-        warm = fut.done() and not fut.cancelled() and fut.exception() is None
-        try:
-            return await asyncio.wait_for(fut, max(0.0, deadline - time.monotonic())), warm
-        except BaseException as exc:  # cancelled, timed out or failed: never leak a slot
-            self._entries.give_up(waiter)
-            self._worker.assign()
-            if isinstance(exc, TimeoutError):
-                self._infra_error(errors.InfraTimeout.kind)
-                raise errors.InfraTimeout(
-                    f"no sandbox of {task.image!r} within the claim timeout; raise "
-                    "PoolLimits.claim_timeout or max_live"
-                ) from None
-            raise
 
     async def release(self, lease: Lease, *, reusable: bool = True) -> None:
         """Return a leased sandbox: reset it in place for reuse, or delete it.
@@ -404,41 +356,6 @@ class SandboxPool:
         self._entries.move(entry, S.RESETTING)
         await asyncio.shield(self._worker.spawn(self._worker.reset(entry, lease.task.base_commit)))
 
-    async def _reset_lease(self, lease: Lease) -> None:
-        """:meth:`Lease.reset`: reset the leased entry in place, or quarantine it and swap."""
-        self._check_open()
-        entry, task = lease.entry, lease.task
-        assert entry.sandbox is not None
-        lease.restored_from = None
-        if lease.broken is None and entry.sandbox.alive():
-            problems, head = await self._worker.reset_checked(entry, task.base_commit)
-            self._check_open()
-            if not problems:
-                self.counters.resets += 1
-                if head == task.base_commit:
-                    entry.head = head
-                    return
-                problems = [f"could not check out {task.base_commit[:12]} after the reset"]
-            self._worker.quarantine(entry, problems)
-        await self._replace_sandbox(lease)
-
-    async def _replace_sandbox(self, lease: Lease, *, dropped: bool = False) -> None:
-        """Swap a fresh sandbox of the lease's image, at its task's commit, in under ``lease``;
-        the old one leaves (deleted, or already ``dropped``). If none can be had the lease is
-        released and the error raised."""
-        # The old sandbox leaves the lease (deleted as on a release of a broken one, or
-        # quarantined); its delete frees its room under the live cap.
-        if not dropped:
-            self._worker.drop(lease.entry)
-        try:
-            fresh, warm = await self._entry_at(lease.task, time.monotonic() + self.limits.claim_timeout)
-        except BaseException:
-            lease.released = True  # nothing is leased any more
-            self._leases.discard(lease)
-            raise
-        self._claimed(warm)  # a claim of its own: a warm hit counts as one
-        lease.swap(fresh)
-
     def _infra_error(self, kind: str) -> None:
         self._worker.infra_error(kind)
 
@@ -467,24 +384,4 @@ class SandboxPool:
         rejected: list[RejectedTask] | None = None,
     ) -> Report:
         """Build the run :class:`Report` from this pool's counters and ``results``."""
-        failures = {o.value: 0 for o in Outcome}
-        for r in results:
-            failures[r.outcome.value] += 1
-        return Report(
-            workload=workload,
-            ttfc=TTFCStats.from_samples(self._ttfc),
-            sandboxes_created=self.counters.created,
-            api_writes=self.backend.api_writes,
-            api_execs=self.backend.api_execs,
-            resets=self.counters.resets,
-            quarantines=self.counters.quarantines,
-            failures=failures,
-            infra_errors_by_kind=dict(self.counters.infra_errors),
-            reward=RewardSummary.from_results(results),
-            wall_time_s=wall_time_s,
-            pool=self.counters.model_copy(deep=True),
-            rejected=rejected or [],
-            rollouts=results,
-            write_rates=[r.trace() for r in self.backend.write_rates.values()],
-            clusters=self.backend.cluster_stats,
-        )
+        return build_report(self, workload, results, wall_time_s, rejected)

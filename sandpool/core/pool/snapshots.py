@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from sandpool.core import errors
 from sandpool.core.base import SandboxState
+from sandpool.core.pool import claims
 from sandpool.core.snapshot import Snapshot
 from sandpool.core.telemetry import Telemetry
 
@@ -67,7 +68,7 @@ async def restore(pool: SandboxPool, lease: Lease, snap: Snapshot) -> None:
                 last = errors.ResetError(f"sandbox {sb.id} restored from snapshot {snap.id} shows "
                                          f"state {got[:16]}, not the snapshot's {snap.content_hash[:16]}")
                 pool._worker.quarantine(lease.entry, [str(last)])
-            await pool._replace_sandbox(lease)
+            await claims.replace_sandbox(pool, lease)
         await lease.release(reusable=False)
         assert last is not None
         raise last
@@ -118,7 +119,7 @@ async def resume(lease: Lease) -> None:
         await lease._guard(pool.backend.resume(lease.sandbox))
         return
     try:
-        await pool._replace_sandbox(lease, dropped=True)
+        await claims.replace_sandbox(pool, lease, dropped=True)
         lease.suspended = False
         await restore(pool, lease, snap)
     except BaseException:
@@ -130,7 +131,7 @@ async def replace(lease: Lease, snap: Snapshot | None) -> None:
     """A fresh sandbox under ``lease`` in place of its current one (deleted), restored from
     ``snap`` when given; see :meth:`Lease.replace <sandpool.core.pool.Lease.replace>`."""
     pool = lease._pool
-    await pool._replace_sandbox(lease)
+    await claims.replace_sandbox(pool, lease)
     lease.restored_from = None
     if snap is not None:
         await restore(pool, lease, snap)
