@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,39 @@ def _build_calc_image(root: Path) -> dict[str, str]:
     commits = {"clean": clean, "buggy": buggy}
     meta.write_text(json.dumps(commits))
     return commits
+
+
+def child_processes(pid: int | None = None) -> list[str]:
+    """Children of process ``pid`` (default: this one), running or exited and not yet waited
+    for (zombies), as ``"<pid> <state> <command>"``."""
+    me = str(os.getpid() if pid is None else pid)
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+        except (OSError, NotADirectoryError):
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[1] == me:
+            found.append(f"{d.name} {fields[0]} {cmd or stat[stat.index('(') + 1:stat.rindex(')')]}")
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_child_process_left() -> Iterator[None]:
+    """The session ends with no child process left: none still running, and none exited but
+    never waited for (a zombie, whose Popen warns "subprocess N is still running" at exit).
+    Checked once every other session fixture (cluster, backends) has been torn down."""
+    yield
+    # multiprocessing's resource tracker, started by the first "spawn" process (AsyncVectorEnv's
+    # workers), lives as long as the interpreter by design: stop it and wait for it here, as
+    # CPython's own tests do, so that what is left is what a test or sandpool left.
+    from multiprocessing import resource_tracker
+
+    resource_tracker._resource_tracker._stop()
+    left = child_processes()
+    assert not left, f"the test session left child processes (started, never waited for): {left}"
 
 
 @pytest.fixture(scope="session")
