@@ -111,9 +111,10 @@ def kill_sandbox(info: dict, workdir: str) -> None:
     ws = RemoteWorkspace(host=agent_url(info), api_key=info["session_api_key"], working_dir=workdir)
     assert ws.execute_command(f"touch {marker}", cwd=workdir).exit_code == 0
     ws.reset_client()
-    # The overlay's upper layer is <state>/upper, or <state>/disk/upper under a disk quota.
-    (hit,) = [*sandpool_home().glob(f"local/*/sb-*/upper/{marker}"),
-              *sandpool_home().glob(f"local/*/sb-*/disk/upper/{marker}")]
+    # The repo's upper layer: the first one (<state>/upper) or the fresh one each reset swaps
+    # in (upper-0, upper-1), each under <state>/disk with a disk quota.
+    (hit,) = [*sandpool_home().glob(f"local/*/sb-*/upper*/{marker}"),
+              *sandpool_home().glob(f"local/*/sb-*/disk/upper*/{marker}")]
     state = next(p for p in hit.parents if p.name.startswith("sb-"))
     # Its bubblewrap's binds name the sandbox's public directory /run/sandpool/<run>/<sid>/.
     pids = subprocess.run(["pgrep", "-f", "--", f"bwrap .*/{state.name}/"], capture_output=True,
