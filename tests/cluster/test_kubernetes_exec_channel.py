@@ -14,6 +14,7 @@ server in ``tests/test_kubernetes_unit.py``.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import cluster_faults  # hack/cluster (on sys.path: conftest.py)
@@ -173,6 +174,20 @@ async def test_a_policy_cannot_kill_or_signal_the_agent_that_carries_its_command
 _FLOW = "flowcontrol.apiserver.k8s.io"
 
 
+def _wait_digested(cluster, name: str, timeout: float = 60.0) -> None:
+    """Wait until the apiserver's APF config controller has taken FlowSchema ``name`` in: it
+    writes the schema's ``Dangling`` condition once the new configuration is in effect, so a
+    request sent before that is still classified by the old one."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fs = cluster.custom.get_cluster_custom_object(_FLOW, "v1", "flowschemas", name)
+        conds = (fs.get("status") or {}).get("conditions") or []
+        if any(c.get("type") == "Dangling" and c.get("status") == "False" for c in conds):
+            return
+        time.sleep(0.2)  # polling the condition; nothing to watch for in this sync client
+    raise AssertionError(f"FlowSchema {name} not taken in by APF within {timeout} s")
+
+
 def _throttled_user(cluster, namespace: str, dest, shares: int = 0) -> tuple:
     """A ServiceAccount with cluster-admin whose every request API Priority and Fairness puts
     in a priority level of ``shares`` nominal concurrency shares (0: no seats; 1: a few of
@@ -202,6 +217,7 @@ def _throttled_user(cluster, namespace: str, dest, shares: int = 0) -> tuple:
                        "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}]}]}}
     cluster.custom.create_cluster_custom_object(_FLOW, "v1", "prioritylevelconfigurations", plc)
     cluster.custom.create_cluster_custom_object(_FLOW, "v1", "flowschemas", fs)
+    _wait_digested(cluster, name)
     tok = core.create_namespaced_service_account_token(
         "throttled", namespace,
         k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(audiences=[])))
