@@ -1,7 +1,7 @@
 """Go builds for hack/cluster: the toolchain, the pins, the module cache, one `go` step.
 
-Shared by the control plane's build (``cluster.py build``) and the real node's
-(``realnode.py``). Standard library only.
+Shared by the control plane's build (``cpbuild.py``) and the real node's
+(``nodebuild.py``). Standard library only.
 """
 
 from __future__ import annotations

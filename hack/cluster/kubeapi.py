@@ -157,3 +157,12 @@ def split_yaml_documents(text: str) -> list[str]:
         for d in docs
         if any(ln.strip() and not ln.lstrip().startswith("#") for ln in d.splitlines())
     ]
+
+
+def condition(obj: dict[str, Any], kind: str) -> str | None:
+    """The status (``"True"``, ``"False"``, ``"Unknown"``) of ``obj``'s condition ``kind``
+    (e.g. ``Ready``), or None when it has none."""
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c.get("type") == kind:
+            return c.get("status")
+    return None

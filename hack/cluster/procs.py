@@ -1,6 +1,6 @@
 """Processes and state of a running cluster: spawn, wait, find, and the state file.
 
-Shared by ``cluster.py`` and ``realnode.py``. Standard library only.
+Shared by the parts of hack/cluster that start processes or log. Standard library only.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kubeapi import ApiError, Kube
+from kubeapi import ApiError, Kube, condition
 from nodeconfig import NODE_TAINT, RUNTIME_CLASS, containerd_toml, kubelet_yaml
 from pki import issue_cert, write_kubeconfig
 from procs import alive, free_port, is_ours, log, run_dir, save_state, spawn, wait_for
@@ -161,9 +161,7 @@ def start(state: dict[str, Any], n: int, bins: Path, pki: Path, server: str, kub
 
     def ready() -> bool:
         for node in state["real_nodes"]:
-            obj = kube.request("GET", f"/api/v1/nodes/{node['name']}")
-            conds = {c["type"]: c["status"] for c in obj.get("status", {}).get("conditions", [])}
-            if conds.get("Ready") != "True":
+            if condition(kube.request("GET", f"/api/v1/nodes/{node['name']}"), "Ready") != "True":
                 return False
         return True
 
@@ -357,11 +355,10 @@ def status_lines(state: dict[str, Any], kube: Kube) -> list[str]:
         except (ApiError, OSError) as e:
             lines.append(f"  {node['name']:14} unknown ({e})")
             continue
-        st = obj.get("status", {})
-        conds = {c["type"]: c["status"] for c in st.get("conditions", [])}
-        info = st.get("nodeInfo", {})
+        info = obj.get("status", {}).get("nodeInfo", {})
+        ready = "Ready" if condition(obj, "Ready") == "True" else "NotReady"
         lines.append(
-            f"  {node['name']:14} {'Ready' if conds.get('Ready') == 'True' else 'NotReady':8} "
+            f"  {node['name']:14} {ready:8} "
             f"kubelet {info.get('kubeletVersion', '?')}  runtime {info.get('containerRuntimeVersion', '?')}"
             f"  pods {node.get('subnet', '?')}  ({NODE_LABEL[0]}={NODE_LABEL[1]}, taint {NODE_TAINT})")
     if state.get("registry"):
