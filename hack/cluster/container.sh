@@ -2,10 +2,10 @@
 # The container view of a kwok pod's exec.
 #
 # kwok runs every pod exec as a process on this host, in the pod's workdir and with the
-# environment of the pod's Exec (provisioner.py: the container's env plus SANDPOOL_WORKDIR,
-# SANDPOOL_IMAGE_WORKDIR, ...). `cluster.py up` puts a directory first on kwok's PATH whose
-# `sh` and `python3` are this script, so an exec of either (sandpool's per-command wrapper,
-# its agent) gets what a container would give it:
+# environment of the pod's Exec (podexec.py: the container's env plus SANDPOOL_WORKDIR,
+# SANDPOOL_IMAGE_WORKDIR, ...). `cluster.py up` (kwoknodes.py) puts a directory first on
+# kwok's PATH whose `sh` and `python3` are this script, so an exec of either (sandpool's
+# per-command wrapper, its agent) gets what a container would give it:
 #
 # * a mount namespace of its own, in which the pod's workdir is bind-mounted at the
 #   container's workingDir (SANDPOOL_IMAGE_WORKDIR, e.g. /testbed) and <workdir>.tmp at

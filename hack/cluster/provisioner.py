@@ -1,7 +1,7 @@
 """Give every pod on the kwok nodes its own working directory and exec target.
 
-Started by ``cluster.py up``; it watches pods and nodes and, for each pod bound to a
-node:
+Started by ``cluster.py up`` (kwoknodes.py); it watches pods and nodes and, for each pod
+bound to a node:
 
 1. creates ``<root>/pods/<namespace>/<name>/``; if the pod carries the annotation
    ``sandpool.io/workdir-source: <host dir>``, copies that directory's contents in
@@ -24,9 +24,9 @@ node:
 When a pod is deleted, its directories are removed (the Exec goes with the pod through
 its owner reference). Standard library only.
 
-One file: it runs as one stdlib process started by ``cluster.py up`` (before any venv
-exists); :class:`Provisioner` is one watch loop whose provisioning, port bridges and pod
-cleanup share its per-pod state.
+Its parts: podfiles.py (the pod's directories, the reaper of deleted pods' processes),
+podexec.py (the kwok objects), startdelay.py (the flat start-latency model; imagemodel.py
+the seed one). :class:`Provisioner` is the watch loop that drives them.
 """
 
 from __future__ import annotations
@@ -34,205 +34,60 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import queue
-import random
-import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
+import podexec
 from imagemodel import ImageModel
 from kubeapi import ApiError, Kube
+from podfiles import PodDirs, Reaper, SourceError
+from startdelay import ANN, StartDelays
 
-ANN = "sandpool.io/"
-# Run by kwok for each port-forward stream (stdin/stdout) of a declared port: pipes the stream
-# to and from the unix socket argv[1] until the server closes it. Connects by a relative name:
-# a pod's path can be longer than a socket address holds (108 bytes).
-BRIDGE = r"""
-import os, socket, sys, threading
-s = socket.socket(socket.AF_UNIX)
-try:
-    os.chdir(os.path.dirname(sys.argv[1]))
-    s.connect(os.path.basename(sys.argv[1]))
-except OSError as e:
-    sys.exit(f"nothing listens on {sys.argv[1]}: {e}")
-def up():
-    try:
-        while data := os.read(0, 65536):
-            s.sendall(data)
-        s.shutdown(socket.SHUT_WR)
-    except OSError:
-        pass
-threading.Thread(target=up, daemon=True).start()
-try:
-    while data := s.recv(65536):
-        os.write(1, data)
-except OSError:
-    pass
-"""
-CACHED_IMAGES = ANN + "cached-images"
 LOG = logging.getLogger("provisioner")
 
 
 class Provisioner:
+    """Provisions the pods of the cluster at ``cfg["server"]`` (the JSON kwoknodes.py writes)."""
+
     def __init__(self, cfg: dict[str, Any]) -> None:
-        self.cfg = cfg
-        self.root = Path(cfg["root"])
         self.pki = Path(cfg["pki"])
         self.server = cfg["server"]
-        self.rng = random.Random()
-        # node -> image -> monotonic time at which its (simulated) pull completes.
-        self._images: dict[str, dict[str, float]] = {}
-        self._images_lock = threading.Lock()
+        self.dirs = PodDirs(Path(cfg["root"]))
+        self.delays = StartDelays(cfg)
+        self.reaper = Reaper()
         self._queues = [queue.Queue() for _ in range(int(cfg.get("workers", 8)))]
         self._done: set[str] = set()  # pod uids provisioned (or given up on)
         self._real_nodes = frozenset(cfg.get("real_nodes", ()))
         # The seed's image conditions (imagemodel.py), or None for the flat pull model.
         self.model = (
-            ImageModel(cfg["image_model"], self.root / "image-model.jsonl")
+            ImageModel(cfg["image_model"], self.dirs.root / "image-model.jsonl")
             if cfg.get("image_model")
             else None
         )
-        self._reap: set[str] = set()  # workdirs of deleted pods whose processes must die
-        self._reap_lock = threading.Lock()
 
     def kube(self) -> Kube:
         return Kube.from_pki(self.server, self.pki, user_agent="sandpool-provisioner")
 
-    # ---- start latency model -------------------------------------------------
-    def _jitter(self, ms: float) -> float:
-        j = float(self.cfg["jitter"])
-        return max(0.0, ms * self.rng.uniform(1 - j, 1 + j))
-
-    def start_delays(self, pod: dict[str, Any]) -> tuple[float, float, str, list[str]]:
-        """Return (pull_ms, boot_ms, cache verdict, images newly pulled on the node)."""
-        node = pod["spec"]["nodeName"]
-        ann = pod["metadata"].get("annotations") or {}
-        images = list(dict.fromkeys(c["image"] for c in pod["spec"]["containers"]))
-        force_cached = ann.get(ANN + "image-cached") == "true"
-        now = time.monotonic()
-        pull_ms = 0.0
-        new: list[str] = []
-        verdicts = []
-        with self._images_lock:
-            cache = self._images.setdefault(node, {})
-            for image in images:
-                ready_at = cache.get(image)
-                if (
-                    force_cached
-                    or image in self.cfg["preload_images"]
-                    or (ready_at is not None and ready_at <= now)
-                ):
-                    pull_ms += self._jitter(float(self.cfg["cached_pull_ms"]))
-                    verdicts.append("hit")
-                elif ready_at is not None:
-                    # Another pod on this node is pulling it: wait for that pull.
-                    pull_ms += (ready_at - now) * 1000 + self._jitter(
-                        float(self.cfg["cached_pull_ms"])
-                    )
-                    verdicts.append("wait")
-                else:
-                    ms = self._jitter(float(self.cfg["pull_ms"]))
-                    pull_ms += ms
-                    # Pulls on one node are serialized, like the kubelet's default.
-                    cache[image] = now + pull_ms / 1000
-                    new.append(image)
-                    verdicts.append("miss")
-        boot_ms = self._jitter(float(self.cfg["boot_ms"]))
-        return pull_ms, boot_ms, ",".join(verdicts), new
-
-    def _node_event(self, node: dict[str, Any]) -> None:
-        ann = (node["metadata"].get("annotations") or {}).get(CACHED_IMAGES, "")
-        with self._images_lock:
-            cache = self._images.setdefault(node["metadata"]["name"], {})
-            for image in filter(None, (s.strip() for s in ann.split(","))):
-                cache.setdefault(image, 0.0)
-
     # ---- per pod ---------------------------------------------------------------
-    def workdir(self, ns: str, name: str) -> Path:
-        return self.root / "pods" / ns / name
-
-    def _uid_file(self, ns: str, name: str) -> Path:
-        return self.root / "meta" / ns / f"{name}.uid"
-
     def provision(self, kube: Kube, pod: dict[str, Any]) -> None:
+        """Directories, Exec (and PortForward), then the start-latency annotations; a pod
+        whose workdir source fails is reported as a kubelet would, never provisioned."""
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-        ann = meta.get("annotations") or {}
         t0 = time.monotonic()
-        workdir = self.workdir(ns, name)
-        uid_file = self._uid_file(ns, name)
-        if workdir.exists():
-            old = uid_file.read_text() if uid_file.exists() else ""
-            if old != uid:
-                shutil.rmtree(workdir, ignore_errors=True)
-                shutil.rmtree(f"{workdir}.run", ignore_errors=True)
-        uid_file.parent.mkdir(parents=True, exist_ok=True)
-        uid_file.write_text(uid)
-        workdir.mkdir(parents=True, exist_ok=True)
-        source = ann.get(ANN + "workdir-source")
-        if source:
-            if not Path(source).is_dir():
-                self._fail(kube, pod, f"workdir-source {source!r} is not a directory")
-                return
-            res = subprocess.run(
-                ["cp", "-a", f"{source}/.", str(workdir)],
-                check=False,
-                capture_output=True,
-                text=True,
+        try:
+            workdir = self.dirs.prepare(
+                ns, name, uid, (meta.get("annotations") or {}).get(ANN + "workdir-source")
             )
-            if res.returncode:
-                self._fail(kube, pod, f"copy of {source!r} failed: {res.stderr.strip()}")
-                return
-
-        base_env = [
-            {"name": "SANDPOOL_POD_NAME", "value": name},
-            {"name": "SANDPOOL_POD_NAMESPACE", "value": ns},
-            {"name": "SANDPOOL_WORKDIR", "value": str(workdir)},
-            {"name": "SANDPOOL_POD_RUN", "value": f"{workdir}.run"},
-            {"name": "SANDPOOL_POD_PORTS", "value": f"{workdir}.run/ports"},
-        ]
-        (Path(f"{workdir}.run") / "ports").mkdir(parents=True, exist_ok=True)
-        targets = []
-        for c in pod["spec"]["containers"]:
-            envs = [
-                {"name": e["name"], "value": e.get("value", "")}
-                for e in c.get("env") or []
-                if "valueFrom" not in e
-            ]
-            # Where container.sh mounts the workdir for the exec (the container's view).
-            image_wd = [{"name": "SANDPOOL_IMAGE_WORKDIR", "value": c.get("workingDir", "")}]
-            targets.append(
-                {
-                    "containers": [c["name"]],
-                    "local": {"workDir": str(workdir), "envs": envs + base_env + image_wd},
-                }
-            )
-        exec_obj = {
-            "apiVersion": "kwok.x-k8s.io/v1alpha1",
-            "kind": "Exec",
-            "metadata": {
-                "name": name,
-                "namespace": ns,
-                "labels": {"app.kubernetes.io/managed-by": "sandpool-provisioner"},
-                "ownerReferences": [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid}],
-            },
-            "spec": {"execs": targets},
-        }
-        self._apply(kube, ns, "execs", exec_obj)
-        ports = sorted({p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or []})
-        if ports:
-            forwards = [
-                {"ports": [p], "command": [sys.executable, "-c", BRIDGE, f"{workdir}.run/ports/{p}"]}
-                for p in ports
-            ]
-            self._apply(kube, ns, "portforwards", dict(
-                exec_obj, kind="PortForward", spec={"forwards": forwards}))
+        except SourceError as e:
+            self._fail(kube, pod, str(e))
+            return
+        podexec.apply(kube, podexec.exec_object(pod, workdir))
+        if forward := podexec.port_forward_object(pod, workdir):
+            podexec.apply(kube, forward)
 
         if self.model is not None:
             # The pod starts when the model says its images are on the node.
@@ -243,24 +98,10 @@ class Provisioner:
                 lambda verdict, waited: self._dispatch("READY", pod, (verdict, waited, t0)),
             )
             return
-        pull_ms, boot_ms, verdict, new_images = self.start_delays(pod)
+        pull_ms, boot_ms, verdict, new_images = self.delays.for_pod(pod)
         self._mark_provisioned(kube, pod, verdict, pull_ms, boot_ms, t0)
         if new_images:
-            self._record_pull(kube, pod["spec"]["nodeName"])
-
-    @staticmethod
-    def _apply(kube: Kube, ns: str, resource: str, obj: dict[str, Any]) -> None:
-        """Create the kwok object ``obj`` (or replace the one of its name)."""
-        path = f"/apis/kwok.x-k8s.io/v1alpha1/namespaces/{ns}/{resource}"
-        name = obj["metadata"]["name"]
-        try:
-            kube.request("POST", path, obj)
-        except ApiError as e:
-            if e.status != 409:
-                raise
-            old = kube.request("GET", f"{path}/{name}")
-            obj = dict(obj, metadata=dict(obj["metadata"], resourceVersion=old["metadata"]["resourceVersion"]))
-            kube.request("PUT", f"{path}/{name}", obj)
+            self.delays.record(kube, pod["spec"]["nodeName"])
 
     def _mark_provisioned(
         self, kube: Kube, pod: dict[str, Any], verdict: str, pull_ms: float, boot_ms: float,
@@ -269,7 +110,7 @@ class Provisioner:
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         ann = meta.get("annotations") or {}
-        workdir = self.workdir(ns, name)
+        workdir = self.dirs.workdir(ns, name)
         patch = {
             ANN + "provisioned": "true",
             ANN + "workdir": str(workdir),
@@ -301,19 +142,6 @@ class Provisioner:
             boot_ms,
         )
 
-    def _record_pull(self, kube: Kube, node: str) -> None:
-        with self._images_lock:
-            images = sorted(self._images.get(node, {}))
-        try:
-            kube.request(
-                "PATCH",
-                f"/api/v1/nodes/{node}",
-                {"metadata": {"annotations": {CACHED_IMAGES: ",".join(images)}}},
-                content_type="application/merge-patch+json",
-            )
-        except (ApiError, OSError) as e:
-            LOG.warning("could not record cached images on node %s: %s", node, e)
-
     def _fail(self, kube: Kube, pod: dict[str, Any], reason: str) -> None:
         """Report that the pod cannot start as a kubelet does: its containers wait with
         ``CreateContainerError`` and ``reason`` (the pod is never provisioned, so never starts)."""
@@ -336,59 +164,17 @@ class Provisioner:
             LOG.warning("could not record the failure: %s", e)
 
     def cleanup(self, ns: str, name: str, uid: str | None) -> None:
+        """Release the pod's images, kill its processes, remove its directories."""
         if self.model is not None and uid is not None:
             self.model.release(uid)
-        with self._reap_lock:
-            self._reap.add(str(self.workdir(ns, name)))
-        uid_file = self._uid_file(ns, name)
-        if not uid_file.exists():
-            return
-        if uid is not None and uid_file.read_text() != uid:
-            return  # the directory belongs to a newer pod of the same name
-        shutil.rmtree(self.workdir(ns, name), ignore_errors=True)
-        # The pod's private /tmp (container.sh), next to its workdir.
-        shutil.rmtree(f"{self.workdir(ns, name)}.tmp", ignore_errors=True)
-        shutil.rmtree(f"{self.workdir(ns, name)}.run", ignore_errors=True)
-        uid_file.unlink(missing_ok=True)
-        LOG.info("removed workdir of %s/%s", ns, name)
+        self.reaper.add(self.dirs.workdir(ns, name))
+        self.dirs.remove(ns, name, uid)
 
     # ---- event plumbing ----------------------------------------------------------
     def _dispatch(self, kind: str, pod: dict[str, Any], extra: Any = None) -> None:
         meta = pod["metadata"]
         key = f"{meta['namespace']}/{meta['name']}"
         self._queues[hash(key) % len(self._queues)].put((kind, pod, extra))
-
-    def _reaper(self) -> None:
-        """Kill the processes of deleted pods, as a kubelet stops a pod's containers.
-
-        kwok's exec does not end a command when its stream closes, so a pod's long-lived
-        exec (sandpool's agent session) and whatever its commands left running would outlive
-        the pod. Every exec'd process carries ``SANDPOOL_WORKDIR=<the pod's workdir>``; one
-        scan of /proc per interval serves every pod deleted in it.
-        """
-        while True:
-            time.sleep(0.5)
-            with self._reap_lock:
-                batch, self._reap = self._reap, set()
-            if not batch:
-                continue
-            needles = {f"SANDPOOL_WORKDIR={w}".encode() for w in batch}
-            killed = 0
-            for entry in Path("/proc").iterdir():
-                if not entry.name.isdigit():
-                    continue
-                try:
-                    env = (entry / "environ").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                if needles.intersection(env):
-                    try:
-                        os.kill(int(entry.name), signal.SIGKILL)
-                        killed += 1
-                    except OSError:
-                        pass
-            if killed:
-                LOG.info("killed %d processes of %d deleted pods", killed, len(batch))
 
     def _worker(self, q: queue.Queue) -> None:
         kube = self.kube()
@@ -398,11 +184,11 @@ class Provisioner:
             try:
                 if kind == "READY":
                     verdict, waited, t0 = extra
-                    boot_ms = self._jitter(float(self.cfg["boot_ms"]))
-                    pull_ms = self._jitter(float(self.cfg["cached_pull_ms"]))
-                    # Retried like a provision: a PATCH lost to a dropped connection left the
-                    # pod Pending until its client's ready timeout (3 of 4,000 pods at 1,000
-                    # images); the merge patch is idempotent.
+                    boot_ms = self.delays.boot_ms()
+                    pull_ms = self.delays.cached_pull_ms()
+                    # Retried like a provision: a PATCH lost to a dropped connection would
+                    # leave the pod Pending until its client's ready timeout; the merge patch
+                    # is idempotent.
                     self._retrying("mark provisioned", meta, lambda: self._mark_provisioned(
                         kube, pod, verdict, pull_ms, boot_ms, t0, waited))
                 elif kind == "DELETED":
@@ -465,28 +251,21 @@ class Provisioner:
         live = {
             (p["metadata"]["namespace"], p["metadata"]["name"]): p["metadata"]["uid"] for p in pods
         }
-        meta_root = self.root / "meta"
-        if meta_root.exists():
-            for f in meta_root.glob("*/*.uid"):
-                ns, name = f.parent.name, f.name[: -len(".uid")]
-                if live.get((ns, name)) != f.read_text():
-                    self._dispatch(
-                        "DELETED",
-                        {"metadata": {"namespace": ns, "name": name, "uid": f.read_text()}},
-                    )
+        for ns, name, uid in self.dirs.stale(live):
+            self._dispatch("DELETED", {"metadata": {"namespace": ns, "name": name, "uid": uid}})
         for p in pods:
             self._on_pod("ADDED", p)
 
     def run(self) -> None:
         for q in self._queues:
             threading.Thread(target=self._worker, args=(q,), daemon=True).start()
-        threading.Thread(target=self._reaper, daemon=True).start()
+        threading.Thread(target=self.reaper.run, daemon=True).start()
         threading.Thread(
             target=self._list_watch,
             args=(
                 "/api/v1/nodes",
-                lambda _k, n: self._node_event(n),
-                lambda ns: [self._node_event(n) for n in ns],
+                lambda _k, n: self.delays.node_event(n),
+                lambda ns: [self.delays.node_event(n) for n in ns],
             ),
             daemon=True,
         ).start()
