@@ -29,11 +29,11 @@ def _invalid_pod(ready: Mapping[str, Any]) -> bool:
     return ready.get("reason") == "ReconcilerError" and bool(
         _INVALID_POD.search(ready.get("message", "")))
 
-# Claim Ready=False reasons that never resolve by waiting.
+# Claim Ready=False reasons that never resolve by waiting. Not TemplateNotFound or
+# WarmPoolNotFound: the controller (v1.0.3) retries those, and sandpool creates both objects
+# before any claim, so they are its cache catching up (one really gone ends at ready_timeout).
 _CLAIM_TERMINAL = frozenset(
     {
-        "TemplateNotFound",
-        "WarmPoolNotFound",
         "InvalidMetadata",
         "EnvVarsInjectionRejected",
         "VolumeClaimTemplatesError",
