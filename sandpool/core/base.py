@@ -88,7 +88,8 @@ class Backend(abc.ABC):
         """Freeze every process of ``sandbox`` in place, keeping its memory and state.
 
         Optional: the default returns False (this backend cannot freeze; a lease's suspend
-        then snapshots the sandbox and lets it go, see :mod:`sandpool.core.pool.snapshots`).
+        then snapshots the sandbox and :meth:`park` s it or lets it go, see
+        :mod:`sandpool.core.pool.snapshots`).
 
         Returns:
             True when frozen.
@@ -97,6 +98,35 @@ class Backend(abc.ABC):
 
     async def resume(self, sandbox: Sandbox) -> None:
         """Thaw a sandbox :meth:`suspend` froze (default: nothing to do)."""
+
+    async def park(self, sandbox: Sandbox) -> bool:
+        """Release what runs ``sandbox`` (its processes, their memory and its filesystem)
+        while the sandbox's identity stays, for :meth:`unpark` to run it again. The pool
+        takes a snapshot first; nothing else of its state is kept.
+
+        Optional: the default returns False (then the pool deletes the sandbox, and a resume
+        claims another). The Kubernetes backend sets its agent-sandbox Sandbox's
+        ``spec.operatingMode`` to ``Suspended``: the controller deletes the pod, the Sandbox
+        object and its claim remain.
+
+        Returns:
+            True when released and kept.
+
+        Raises:
+            InfraError: The release failed (the sandbox is then unusable).
+        """
+        return False
+
+    async def unpark(self, sandbox: Sandbox) -> Sandbox:
+        """Run a sandbox :meth:`park` released again: a new handle on the same identity,
+        fresh from its image (nothing of the parked state), returned once it accepts
+        commands. The pool then records it pristine and restores the suspend's snapshot
+        into it, verified. Called only after :meth:`park` returned True.
+
+        Raises:
+            InfraError: It did not come back (the pool then deletes it and claims another).
+        """
+        raise NotImplementedError(f"{type(self).__name__} parks no sandbox")
 
     async def discard_snapshot(self, snap: Snapshot, *, keep: Snapshot | None = None) -> None:
         """Remove what only ``snap`` holds of this backend's snapshot data (none of ``keep``'s):

@@ -57,8 +57,12 @@ class Lease:
         self.released = False
         self.restored_from: Snapshot | None = None
         self.suspended = False
-        #: The snapshot a suspend took where the backend cannot freeze (its sandbox let go).
+        #: The snapshot a suspend took where the backend cannot freeze (its sandbox parked
+        #: or let go): what :meth:`resume` restores.
         self.parked: Snapshot | None = None
+        #: The suspend parked the sandbox (:meth:`Backend.park
+        #: <sandpool.core.base.Backend.park>`): its entry is still this lease's.
+        self.kept = False
 
     def __repr__(self) -> str:
         return f"<Lease {self.sandbox.id} task={self.task.instance_id} ttfc={self.ttfc_s}>"
@@ -191,9 +195,12 @@ class Lease:
 
     async def suspend(self) -> None:
         """Freeze the sandbox's processes (locally, its cgroup freezer), or where the backend
-        cannot freeze (Kubernetes), snapshot it and release its sandbox (the pod); see
+        cannot freeze (Kubernetes), snapshot it and release what runs it: on Kubernetes its
+        pod, through its agent-sandbox Sandbox's ``spec.operatingMode: Suspended`` (the
+        Sandbox object and claim remain); a plain pod is deleted. See
         :func:`~sandpool.core.pool.snapshots.suspend`. Until :meth:`resume`, every other
-        call raises ``ConfigError``. Idempotent.
+        call raises ``ConfigError``. Releasing a suspended lease deletes what remains.
+        Idempotent.
 
         Raises:
             ConfigError: The backend can neither freeze nor snapshot.
@@ -209,10 +216,14 @@ class Lease:
 
     async def resume(self) -> None:
         """Thaw the sandbox, or restore the suspend's snapshot into a new sandbox (verified)
-        held under this lease. Idempotent.
+        held under this lease: on Kubernetes the new pod the controller makes for the Sandbox
+        set ``Running`` again (another claim if that Sandbox is gone), with fresh processes.
+        A restore that shows another hash than the snapshot's quarantines the sandbox and
+        tries another. Idempotent.
 
         Raises:
-            InfraError: No sandbox could be restored (the lease is then released).
+            InfraError: No sandbox could be restored (``ResetError``: each one tried showed
+                another hash, e.g. the snapshot's data was altered); the lease is then released.
         """
         from sandpool.core.pool import snapshots
 

@@ -335,9 +335,12 @@ class SandboxPool:
         if lease.released:
             return
         if lease.suspended:
-            if lease.parked is not None:  # its sandbox went at the suspend: nothing is held
+            if lease.parked is not None:  # its sandbox was parked or went at the suspend
                 lease.released = True
                 self._leases.discard(lease)
+                if lease.kept:  # parked: its identity goes now (never reset: nothing runs it)
+                    lease.kept = False
+                    self._worker.drop(lease.entry)
                 return
             await self.backend.resume(lease.sandbox)  # a frozen sandbox cannot be reset
             lease.suspended = False

@@ -12,8 +12,12 @@ module does the pool's part:
 * :func:`fork`: a snapshot of the lease's sandbox, restored into n new leases. The parent goes
   on; each child is a sandbox of its own (no child sees another's later changes).
 * :func:`suspend` / :func:`resume`: a backend that can freeze a sandbox in place (the local
-  backend's cgroup freezer) does; one that cannot (Kubernetes) takes a snapshot and lets the
-  sandbox go (its pod deleted), and :func:`resume` restores the snapshot into a new one.
+  backend's cgroup freezer) does. One that cannot takes a snapshot, then parks the sandbox
+  (:meth:`Backend.park <sandpool.core.base.Backend.park>`: on Kubernetes its agent-sandbox
+  Sandbox is set ``Suspended``, so the controller deletes the pod while the Sandbox object and
+  its claim remain, and so does the pool's entry), or, where it cannot park either, deletes
+  it. :func:`resume` runs the parked sandbox again (a new pod, fresh from the image) or
+  claims another, and restores the snapshot into it, verified as any restore.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING
 from sandpool.core import errors
 from sandpool.core.base import SandboxState
 from sandpool.core.pool import claims
+from sandpool.core.reset import record_pristine
 from sandpool.core.snapshot import Snapshot
 from sandpool.core.telemetry import Telemetry
 
@@ -97,21 +102,25 @@ async def fork(lease: Lease, n: int) -> list[Lease]:
 
 
 async def suspend(lease: Lease) -> None:
-    """Freeze the lease's sandbox in place, or snapshot it and let it go; see the module."""
+    """Freeze the lease's sandbox in place, or snapshot it and park it or let it go; see the
+    module."""
     pool = lease._pool
     if await lease._guard(pool.backend.suspend(lease.sandbox)):
         lease.suspended = True
         return
     snap = await lease.snapshot()
-    lease.parked = snap
-    lease.suspended = True
+    if await lease._guard(pool.backend.park(lease.sandbox)):
+        lease.parked, lease.kept, lease.suspended = snap, True, True
+        return
+    lease.parked, lease.suspended = snap, True
     entry = lease.entry  # deleted before this returns: its pod (or process tree) is released
     pool._entries.move(entry, SandboxState.DELETED)
     await pool._worker.delete(entry)
 
 
 async def resume(lease: Lease) -> None:
-    """Thaw the lease's sandbox, or restore its snapshot into a new one (verified)."""
+    """Thaw the lease's sandbox, or restore its snapshot into the parked sandbox run again
+    or into a new one (verified)."""
     pool = lease._pool
     snap, lease.parked = lease.parked, None
     if snap is None:
@@ -119,12 +128,38 @@ async def resume(lease: Lease) -> None:
         await lease._guard(pool.backend.resume(lease.sandbox))
         return
     try:
-        await claims.replace_sandbox(pool, lease, dropped=True)
+        if not (lease.kept and await _unpark(pool, lease)):
+            dropped, lease.kept = not lease.kept, False  # a parked one that failed goes now
+            await claims.replace_sandbox(pool, lease, dropped=dropped)
         lease.suspended = False
         await restore(pool, lease, snap)
     except BaseException:
-        lease.parked = snap
+        if lease.suspended:  # nothing was restored: the snapshot is still what it resumes from
+            lease.parked = snap
         raise
+
+
+async def _unpark(pool: SandboxPool, lease: Lease) -> bool:
+    """Run the lease's parked sandbox again under its entry, recorded pristine; False (the
+    parked one left to the caller to drop) when it did not come back."""
+    entry = lease.entry
+    assert entry.sandbox is not None
+    try:
+        fresh = await pool.backend.unpark(entry.sandbox)
+    except errors.InfraError as exc:
+        pool._infra_error(exc.kind)
+        return False
+    try:
+        if not fresh.recorded:  # what the restore's change set is against, as at a create
+            await record_pristine(fresh, timeout=pool.limits.create_timeout)
+    except errors.InfraError as exc:
+        pool._infra_error(exc.kind)
+        entry.sandbox = fresh  # the new handle is what the drop deletes
+        return False
+    entry.sandbox, entry.head = fresh, None
+    lease.kept = False
+    lease.swap(entry)
+    return True
 
 
 async def replace(lease: Lease, snap: Snapshot | None) -> None:
