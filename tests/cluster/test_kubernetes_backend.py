@@ -433,7 +433,7 @@ async def test_preflight_fails_with_one_clear_sentence(
     path, _, _ = repo
     cases = []
     kc = _token_kubeconfig(cluster, namespace, tmp_path / "nobody.kubeconfig")
-    cases.append((KubernetesBackend(kc, namespace=namespace), "RBAC denies .*create sandboxclaims"))
+    cases.append((KubernetesBackend(kc, namespace=namespace), "RBAC denies .*create sandboxclaims.*patch sandboxes"))
     cases.append(
         (
             backend(cluster, namespace, path, runtime_class="gvisor-absent"),

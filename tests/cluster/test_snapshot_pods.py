@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kubernetes.client.rest import ApiException
 
 from sandpool.core import PoolLimits, SandboxPool, errors
 from sandpool.core.snapshot import Snapshot
 
-from tests.waiting import wait_until
+from tests.waiting import until
 
-from test_kubernetes_backend import backend, make_task, pods_of, repo  # noqa: F401 - fixture
+from test_kubernetes_backend import backend, custom, make_task, pods_of, repo  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.cluster
 
@@ -103,27 +104,145 @@ async def _until_lines(lease, n: int) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_suspend_releases_the_pod_and_resume_restores_it_into_a_new_one(cluster, namespace, repo):
+def _sandbox(cluster, namespace: str, name: str) -> dict | None:
+    try:
+        return cluster.custom.get_namespaced_custom_object(
+            "agents.x-k8s.io", "v1beta1", namespace, "sandboxes", name)
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def _cond(obj: dict | None, kind: str) -> tuple[str, str] | None:
+    for c in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if c["type"] == kind:
+            return c["status"], c.get("reason", "")
+    return None
+
+
+def _live_pods(cluster, namespace: str, run_id: str) -> dict[str, str]:
+    return {p.metadata.uid: p.metadata.name for p in pods_of(cluster, namespace, run_id)}
+
+
+#: The pod's processes whose command line is ``sleep 4242`` (its /proc is the pod's own pid
+#: namespace), one line each.
+SLEEPERS = ("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f 2>/dev/null; echo; done"
+            " | grep -x 'sleep 4242 ' | sed 's/ $//'")
+
+
+async def test_suspend_releases_the_pod_keeping_its_sandbox_and_claim(cluster, namespace, repo):
+    """Suspend sets the agent-sandbox Sandbox's spec.operatingMode to Suspended: the
+    controller deletes the pod, the Sandbox object and its claim stay. Resume sets it Running:
+    the controller makes a new pod (same name, new UID, fresh processes) and the suspend's
+    snapshot is restored into it, verified by its hash; the rollout goes on."""
+    path, _, second = repo
+    task = make_task(IMAGE, second)
+    async with _pool(cluster, namespace, path) as pool:
+        run = pool.backend.run_id
+        async with pool.claim(task) as lease:
+            assert (await lease.exec(STATE, timeout=60)).ok
+            assert (await lease.exec("nohup sleep 4242 >/dev/null 2>&1 & echo started", timeout=60)).ok
+            assert (await lease.exec(SLEEPERS, timeout=60)).text == "sleep 4242\n"
+            want = (await lease.exec(SHOW, timeout=60)).text
+            sb = lease.sandbox
+            assert sb.sandbox_name is not None and sb.claim is not None
+            await lease.suspend()
+            assert lease.parked is not None  # the snapshot it resumes from
+            want_hash = lease.parked.content_hash
+            with pytest.raises(errors.ConfigError, match="is suspended"):
+                await lease.exec("true")
+            assert sb.pod_uid not in _live_pods(cluster, namespace, run)  # released: gone
+            obj = _sandbox(cluster, namespace, sb.sandbox_name)
+            assert obj is not None and obj["spec"]["operatingMode"] == "Suspended"
+            await until(lambda: _cond(_sandbox(cluster, namespace, sb.sandbox_name), "Suspended")
+                        == ("True", "PodTerminated"), "the Sandbox's Suspended condition")
+            claims = custom(cluster, namespace, "sandboxclaims", run)
+            assert [c["metadata"]["name"] for c in claims] == [sb.claim]  # the claim stays
+            assert pool.sizes()[IMAGE]["leased"] == 1
+            await lease.resume()
+            new = lease.sandbox
+            assert (new.id, new.claim, new.sandbox_name, new.pod) == (sb.id, sb.claim, sb.sandbox_name,
+                                                                     sb.pod)
+            assert new.pod_uid != sb.pod_uid and new.pod_uid in _live_pods(cluster, namespace, run)
+            assert _sandbox(cluster, namespace, sb.sandbox_name)["spec"]["operatingMode"] == "Running"
+            assert (await lease.exec(SHOW, timeout=60)).text == want
+            assert await lease.sandbox.state_hash() == want_hash
+            assert (await lease.exec(SLEEPERS, timeout=60)).text == ""  # its processes are new
+            # The rollout goes on in the resumed pod, and its release resets it in place.
+            assert (await lease.exec("echo after >> notes.txt && git status --short", timeout=60)).ok
+        assert [c["metadata"]["name"] for c in custom(cluster, namespace, "sandboxclaims", run)] == [sb.claim]
+        assert pool.counters.quarantines == 0 and pool.counters.resets >= 1
+        # A suspended lease released gives its Sandbox (claim) up: nothing left to reset.
+        async with pool.claim(task) as lease:
+            claim = lease.sandbox.claim
+            await lease.suspend()
+        await until(lambda: claim not in [c["metadata"]["name"] for c in custom(
+            cluster, namespace, "sandboxclaims", run)], "the suspended lease's claim deleted")
+        assert pool.counters.quarantines == 0
+
+
+def _tamper(snap, name: str, data: bytes) -> None:
+    """Rewrite ``name``'s content in the snapshot's archive in the run's store."""
+    import io
+    import tarfile
+
+    for part in snap.parts:
+        src = io.BytesIO((snap.location / part).read_bytes())
+        out = io.BytesIO()
+        found = False
+        with tarfile.open(fileobj=src) as tin, tarfile.open(fileobj=out, mode="w",
+                                                           format=tarfile.PAX_FORMAT) as tout:
+            for m in tin:
+                blob = tin.extractfile(m).read() if m.isfile() else None
+                if m.isfile() and m.name.endswith(name):
+                    blob, m.size, found = data, len(data), True
+                tout.addfile(m, io.BytesIO(blob) if blob is not None else None)
+        if found:
+            (snap.location / part).write_bytes(out.getvalue())
+            return
+    raise AssertionError(f"{name} is not in the snapshot")
+
+
+async def test_a_tampered_snapshot_is_refused_at_resume(cluster, namespace, repo):
+    from sandpool.core.pool.snapshots import RESTORE_ATTEMPTS
+
+    path, _, second = repo
+    task = make_task(IMAGE, second)
+    async with _pool(cluster, namespace, path) as pool:
+        run = pool.backend.run_id
+        lease = await pool.acquire(task)
+        assert (await lease.exec(STATE, timeout=60)).ok
+        await lease.suspend()
+        _tamper(lease.parked, "notes.txt", b"planted\n")
+        with pytest.raises(errors.ResetError, match="not the snapshot's"):
+            await lease.resume()
+        assert lease.released
+        # Each sandbox the restore tried (the resumed one, then fresh claims) showed another
+        # hash: quarantined, its claim deleted.
+        assert pool.counters.quarantines == RESTORE_ATTEMPTS
+        await until(lambda: not custom(cluster, namespace, "sandboxclaims", run),
+                    "the quarantined sandboxes' claims deleted")
+
+
+async def test_resume_claims_another_pod_when_the_suspended_sandbox_is_gone(cluster, namespace, repo):
     path, _, second = repo
     task = make_task(IMAGE, second)
     async with _pool(cluster, namespace, path) as pool:
         async with pool.claim(task) as lease:
             assert (await lease.exec(STATE, timeout=60)).ok
             want = (await lease.exec(SHOW, timeout=60)).text
-            pod = lease.sandbox.pod
+            claim, name = lease.sandbox.claim, lease.sandbox.sandbox_name
             await lease.suspend()
-            assert lease.parked is not None  # the snapshot it resumes from
-            want_hash = lease.parked.content_hash
-            with pytest.raises(errors.ConfigError, match="is suspended"):
-                await lease.exec("true")
-            wait_until(lambda: pod not in [p.metadata.name for p in pods_of(
-                cluster, namespace, pool.backend.run_id) if p.metadata.deletion_timestamp is None],
-                "the suspended sandbox's pod deleted")  # released: its claim went
-            await lease.resume()
-            assert lease.sandbox.pod != pod
+            cluster.custom.delete_namespaced_custom_object(
+                "extensions.agents.x-k8s.io", "v1beta1", namespace, "sandboxclaims", claim)
+            await until(lambda: _sandbox(cluster, namespace, name) is None,
+                        "the claim's Sandbox deleted with it")
+            await lease.resume()  # its Sandbox is gone: another claim, restored and verified
+            assert lease.sandbox.claim != claim
             assert (await lease.exec(SHOW, timeout=60)).text == want
-            assert await lease.sandbox.state_hash() == want_hash
-        assert pool.counters.quarantines == 0
+            assert await lease.sandbox.state_hash() == lease.restored_from.content_hash
+        assert pool.counters.quarantines == 0 and pool.counters.resets >= 1
 
 
 async def test_a_pod_snapshot_of_one_image_is_refused_by_another(cluster, namespace, repo):

@@ -13,6 +13,7 @@ import pytest
 from sandpool.core import PoolLimits, SandboxPool, Task, errors
 from sandpool.core.backends.kubernetes import KubernetesBackend
 from sandpool.envs.grading import DiffGrader
+from tests.waiting import until
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
 
@@ -20,8 +21,9 @@ LIMITS = {"requests": {"cpu": "100m", "memory": "128Mi"}, "limits": {"cpu": "500
 
 
 def _pool(cluster, namespace, real_node, **kw) -> SandboxPool:
+    kw.setdefault("mode", "pods")
     backend = KubernetesBackend(
-        cluster.kubeconfig, namespace=namespace, mode="pods", run_id=uuid.uuid4().hex[:8],
+        cluster.kubeconfig, namespace=namespace, run_id=uuid.uuid4().hex[:8],
         node_selector=real_node.node_selector, tolerations=list(real_node.tolerations),
         ready_timeout=180, agent_entrypoint=True, resources=LIMITS, **kw)
     return SandboxPool(backend, "reuse", PoolLimits(max_live=4))
@@ -84,3 +86,61 @@ async def test_the_disk_quota_holds_in_each_forked_container(cluster, namespace,
             finally:
                 await kid.release()
         assert pool.counters.quarantines == 0
+
+
+async def test_suspend_releases_the_container_and_resume_restores_a_new_one(
+        cluster, namespace, real_node, real_images):
+    """On a real node, suspend sets the claim's Sandbox Suspended: the controller deletes the
+    pod (its container stopped by the kubelet), the Sandbox and claim stay; resume gives a new
+    pod whose restored state has the snapshot's hash and whose processes are new. A snapshot
+    altered on the host is refused at the next resume."""
+    from kubernetes.client.rest import ApiException
+
+    from test_snapshot_pods import SLEEPERS, _tamper
+
+    task = Task.model_validate(json.loads(Path(real_images["task"]).read_text()))
+    async with _pool(cluster, namespace, real_node, mode="agent-sandbox") as pool:
+        async with pool.claim(task) as lease:
+            res = await lease.exec("echo '# note' >> calcpkg/__init__.py && echo kept > /tmp/kept"
+                                   " && (nohup sleep 4242 >/dev/null 2>&1 &) && cat /proc/1/stat",
+                                   timeout=60)
+            assert res.ok, res
+            agent_start = res.text.split(")")[1].split()[19]  # the agent's start time (pid 1)
+            assert (await lease.exec(SLEEPERS, timeout=60)).text == "sleep 4242\n"
+            sb = lease.sandbox
+            await lease.suspend()
+            want = lease.parked.content_hash
+            pods = cluster.core.list_namespaced_pod(namespace).items
+            assert sb.pod_uid not in [p.metadata.uid for p in pods]
+            ps = real_node.crictl("ps", "-q", "--label", f"io.kubernetes.pod.uid={sb.pod_uid}")
+            assert ps.returncode == 0 and ps.stdout == "", ps  # its container is stopped
+            obj = cluster.custom.get_namespaced_custom_object(
+                "agents.x-k8s.io", "v1beta1", namespace, "sandboxes", sb.sandbox_name)
+            assert obj["spec"]["operatingMode"] == "Suspended"
+            cluster.custom.get_namespaced_custom_object(
+                "extensions.agents.x-k8s.io", "v1beta1", namespace, "sandboxclaims", sb.claim)
+            await lease.resume()
+            new = lease.sandbox
+            assert (new.claim, new.pod) == (sb.claim, sb.pod) and new.pod_uid != sb.pod_uid
+            assert await new.state_hash() == want
+            res = await lease.exec("tail -1 calcpkg/__init__.py; cat /tmp/kept /proc/1/stat", timeout=60)
+            assert res.text.startswith("# note\nkept\n"), res
+            assert res.text.split(")")[1].split()[19] != agent_start  # a new container's agent
+            assert (await lease.exec(SLEEPERS, timeout=60)).text == ""
+            assert (await lease.exec("echo more >> calcpkg/__init__.py", timeout=60)).ok
+            await lease.suspend()
+            _tamper(lease.parked, "calcpkg/__init__.py", b"planted = 1\n")
+            with pytest.raises(errors.ResetError, match="not the snapshot's"):
+                await lease.resume()
+            assert lease.released
+        assert pool.counters.quarantines == 3
+
+        def claim_gone() -> bool:
+            try:
+                cluster.custom.get_namespaced_custom_object(
+                    "extensions.agents.x-k8s.io", "v1beta1", namespace, "sandboxclaims", sb.claim)
+            except ApiException as exc:
+                return exc.status == 404
+            return False
+
+        await until(claim_gone, "the quarantined sandbox's claim deleted")

@@ -236,6 +236,28 @@ class Claims:
         )
         return name
 
+    async def set_operating_mode(self, sandbox_name: str, mode: str) -> None:
+        """Set Sandbox ``sandbox_name``'s ``spec.operatingMode`` (agent-sandbox v1beta1):
+        ``"Suspended"`` makes the controller delete its pod and keep the Sandbox object (and
+        the claim that owns it); ``"Running"`` makes it create a new pod, named like the
+        Sandbox, from the Sandbox's pod template.
+
+        Raises:
+            SandboxDied: The Sandbox object is gone (deleted, or its claim was).
+            ApiError, BackendUnavailable, ConfigError: The patch failed (RBAC needs ``patch``
+                on ``sandboxes``).
+        """
+        got = await self._http.request(
+            "PATCH",
+            f"{ns_path(self.namespace, m.SANDBOX)}/{sandbox_name}",
+            body={"spec": {"operatingMode": mode}},
+            content_type="application/merge-patch+json",
+            ok_missing=True,
+        )
+        if got is None:
+            raise errors.SandboxDied(f"Sandbox {self.namespace}/{sandbox_name} is gone: it cannot "
+                                     f"be set {mode}")
+
     async def wait_bound(self, claim_name: str) -> str:
         """Wait until claim ``claim_name`` is Ready; return its sandbox's (so its pod's) name.
 

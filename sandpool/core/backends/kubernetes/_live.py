@@ -156,11 +156,11 @@ class LiveSandboxes:
         if self._by_pod.get(sb.pod) is sb:
             del self._by_pod[sb.pod]
 
-    async def remove(self, sb: KubernetesSandbox) -> None:
-        """Forget ``sb``, mark it dead and close its session (its object is deleted by the
-        caller)."""
+    async def remove(self, sb: KubernetesSandbox, why: str = "deleted by sandpool") -> None:
+        """Forget ``sb``, mark it dead (``why``) and close its session (its object is deleted,
+        or its Sandbox suspended, by the caller)."""
         self._forget(sb)
-        sb._mark_dead("deleted by sandpool")
+        sb._mark_dead(why)
         await sb._close_session()
 
     async def aclose(self) -> None:

@@ -141,8 +141,9 @@ class Pods:
         )
         return pod_name
 
-    async def wait_ready(self, pod_name: str) -> dict[str, Any]:
-        """Wait for pod ``pod_name`` to be Ready (and not being deleted); return it.
+    async def wait_ready(self, pod_name: str, *, replacing: str | None = None) -> dict[str, Any]:
+        """Wait for pod ``pod_name`` to be Ready (and not being deleted); return it. With
+        ``replacing`` (a pod UID), only a pod of another UID counts.
 
         Raises:
             SandboxStartError: The pod will never start (:func:`pod_start_failure`).
@@ -150,7 +151,7 @@ class Pods:
         """
 
         def check(pod: dict[str, Any] | None) -> dict[str, Any] | None:
-            if pod is None:
+            if pod is None or (replacing and pod["metadata"].get("uid") == replacing):
                 return None
             if pod_ready(pod) and not pod["metadata"].get("deletionTimestamp"):
                 return pod
@@ -163,4 +164,22 @@ class Pods:
         except TimeoutError:
             raise errors.InfraTimeout(
                 f"pod {self.namespace}/{pod_name} was not Ready within {self.ready_timeout:.0f} s"
+            ) from None
+
+    async def wait_gone(self, pod_name: str, uid: str) -> None:
+        """Wait until pod ``pod_name`` of ``uid`` is gone from the API (deleted, not only
+        being deleted; a pod of that name and another UID does not count).
+
+        Raises:
+            InfraTimeout: Not within ``ready_timeout``.
+        """
+
+        def check(pod: dict[str, Any] | None) -> bool | None:
+            return True if pod is None or pod["metadata"].get("uid") != uid else None
+
+        try:
+            await self._watch.wait(pod_name, check, self.ready_timeout)
+        except TimeoutError:
+            raise errors.InfraTimeout(
+                f"pod {self.namespace}/{pod_name} was not deleted within {self.ready_timeout:.0f} s"
             ) from None

@@ -185,8 +185,10 @@ class Preflight:
             (m.CLAIM, ("create", "list", "watch", "delete", "deletecollection")),
         ):
             ext += [(v, m.EXT_GROUP, res, "") for v in verbs]
+        sandbox_verbs = ["patch"]  # spec.operatingMode: a lease's suspend and resume
         if self.sandbox_objects:
-            ext += [(v, m.CORE_GROUP, m.SANDBOX, "") for v in ("create", "delete", "deletecollection")]
+            sandbox_verbs += ["create", "delete", "deletecollection"]
+        ext += [(v, m.CORE_GROUP, m.SANDBOX, "") for v in sandbox_verbs]
         return core + ext
 
     async def _check_rbac(self, http: KubeHttp) -> None:

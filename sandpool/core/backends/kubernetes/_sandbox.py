@@ -74,6 +74,8 @@ class KubernetesSandbox(AgentSandbox):
         claim: The SandboxClaim name (agent-sandbox mode), else None.
         owner: ``(resource, name)`` deleted to end this sandbox: its claim, Sandbox object or
             pod.
+        sandbox_name: Its agent-sandbox Sandbox object (its claim's, or its own), whose
+            ``spec.operatingMode`` suspends it; None for a plain pod.
     """
 
     _service_cwd = "/"  # the service's directory is $SANDPOOL_POD_RUN/service (see _service)
@@ -87,6 +89,7 @@ class KubernetesSandbox(AgentSandbox):
         self.pod_uid = pod_uid
         self.claim = claim
         self.owner: tuple[str, str] = ("pods", target.pod)
+        self.sandbox_name: str | None = None
         self.agent_python = agent_python
         self.service_env: dict[str, str] = {}
         #: The port the service serves in the pod, or None without one.

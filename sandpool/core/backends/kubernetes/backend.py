@@ -24,6 +24,7 @@ from typing import Any
 
 from sandpool.core import changeset, errors
 from sandpool.core.backends.kubernetes import _manifests as m
+from sandpool.core.backends.kubernetes import _suspend
 from sandpool.core.backends.kubernetes._gc import gc
 from sandpool.core.backends.kubernetes._http import KubeHttp
 from sandpool.core.backends.kubernetes._images import ImageMap
@@ -358,6 +359,7 @@ class KubernetesBackend(Backend):
             pod = await self._pods.wait_ready(pod_name)
             sb = await self._live.start(image, pod, owner[1], claim, owner)
             sb.snapshots = self.snapshots
+            sb.sandbox_name = pod_name if claims is not None else None
             return sb
         except BaseException:
             await self._deleter.delete(*owner)
@@ -373,6 +375,23 @@ class KubernetesBackend(Backend):
         assert isinstance(sandbox, KubernetesSandbox)
         await self._live.remove(sandbox)
         await self._deleter.delete(*sandbox.owner)
+
+    # -- suspend / resume: the Sandbox's spec.operatingMode (see _suspend) -----------------
+
+    async def park(self, sandbox: Sandbox) -> bool:
+        """Release the sandbox's pod, keeping its Sandbox object and claim; see
+        :func:`._suspend.park` (False for a plain pod: the pool deletes it)."""
+        assert isinstance(sandbox, KubernetesSandbox)
+        if self._claims is None:
+            return False
+        return await _suspend.park(sandbox, self._live, self._claims, self._pods)
+
+    async def unpark(self, sandbox: Sandbox) -> KubernetesSandbox:
+        """A sandbox on the new pod of a parked sandbox's Sandbox; see :func:`._suspend.unpark`."""
+        assert isinstance(sandbox, KubernetesSandbox) and self._claims is not None
+        sb = await _suspend.unpark(sandbox, self._live, self._claims, self._pods)
+        sb.snapshots = self.snapshots
+        return sb
 
     async def discard_snapshot(self, snap: Snapshot, *, keep: Snapshot | None = None) -> None:
         """Remove ``snap``'s change set from this run's store (unless ``keep`` holds it)."""
