@@ -17,11 +17,8 @@ only its path. Sockets and device nodes other than whiteouts are not state a sna
 (no process can recreate their meaning); they are skipped. The tree's root directory's own
 attributes are not part of the tree's hash (the caller records the root separately).
 
-Cost: every file's bytes are read once, when first seen. :class:`FileMemo` remembers, per
-source file, its sha256 and the immutable copy made of it, keyed by (device, inode, ctime,
-mtime, size): any write, chmod, chown, xattr or utime moves a file's ctime, which no process in
-a sandbox can set, so a file found in the memo is unchanged and its earlier copy is hard-linked
-instead of copied (store layers share one filesystem). A snapshot then costs O(entries) plus
+Cost: every file's bytes are read once, when first seen, and an unchanged file's earlier copy
+is hard-linked instead of copied (``_memo.FileMemo``): a snapshot costs O(entries) plus
 O(bytes changed since the last snapshot), and so does hashing a stack of layers again.
 
 Nothing here follows a symlink: entries are ``lstat``-ed, files opened with ``O_NOFOLLOW``, and
@@ -35,20 +32,19 @@ import errno
 import hashlib
 import os
 import stat
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandpool.core.backends.local._memo import FileMemo
 from sandpool.core.images import ID_COUNT
 
-__all__ = ["FileMemo", "TreeHash", "copy_entry", "copy_tree", "entry_records", "hash_tree",
+__all__ = ["TreeHash", "copy_entry", "copy_tree", "entry_records", "hash_tree",
            "root_record"]
 
 _OPAQUE = "trusted.overlay.opaque"
 _NOBODY = 65534  # an owner outside the tree's range (none should be) is counted as nobody
 _CHUNK = 1 << 20
-_MEMO_ENTRIES = 200_000
 
 
 @dataclass(frozen=True)
@@ -64,64 +60,6 @@ class TreeHash:
     digest: str
     size_bytes: int
     entries: int
-
-
-Key = tuple[int, ...]
-
-
-class FileMemo:
-    """Per file seen: its sha256, and for a source file the immutable copy made of it; least
-    recently used entries go past :data:`_MEMO_ENTRIES`.
-
-    A source file (an upper layer's, a ``/tmp``'s) is known by (device, inode, ctime, mtime,
-    size). A copy in the store is known without its ctime: the store's files are never
-    written after they are made, only linked into later layers, which moves the ctime; its
-    mode, owner and xattrs are read again each time (the hash's records), its content by
-    (device, inode, mtime, size).
-    """
-
-    def __init__(self) -> None:
-        self._d: OrderedDict[Key, tuple[str, str | None, Key | None]] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-    @staticmethod
-    def key(st: os.stat_result, *, store: bool = False) -> Key:
-        if store:
-            return ("store", st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-        return (st.st_dev, st.st_ino, st.st_ctime_ns, st.st_mtime_ns, st.st_size)
-
-    def sha(self, st: os.stat_result, *, store: bool = False) -> str | None:
-        """The sha256 of the file ``st`` describes (a copy in the store: ``store``), if seen
-        unchanged."""
-        hit = self._d.get(self.key(st, store=store))
-        return hit[0] if hit is not None else None
-
-    def copy(self, st: os.stat_result) -> str | None:
-        """The path of the store's copy of the source file ``st`` describes, if it still
-        exists as it was made."""
-        hit = self._d.get(self.key(st))
-        if hit is None or hit[1] is None:
-            return None
-        try:
-            now = os.lstat(hit[1])
-        except OSError:
-            return None
-        return hit[1] if self.key(now, store=True) == hit[2] else None
-
-    def put(self, st: os.stat_result, sha: str, copy: str | None = None, *, store: bool = False) -> None:
-        """Record a file's sha256 (and the path of its copy in the store, recorded too)."""
-        ck = None
-        if copy is not None:
-            ck = self.key(os.lstat(copy), store=True)
-            self._d[ck] = (sha, copy, ck)
-            self._d.move_to_end(ck)
-        k = self.key(st, store=store)
-        self._d[k] = (sha, copy, ck)
-        self._d.move_to_end(k)
-        while len(self._d) > _MEMO_ENTRIES:
-            self._d.popitem(last=False)
 
 
 def _kind(st: os.stat_result) -> str | None:
@@ -247,7 +185,7 @@ def hash_tree(root: Path | str, *, base: int, memo: FileMemo | None = None,
         base: The host id that owners are counted from (the tree's id range).
         memo: Reuses the sha256 of files seen unchanged, and records the ones read.
         store: ``root`` is a layer of the store (its files are known as copies, see
-            :class:`FileMemo`).
+            ``_memo.FileMemo``).
 
     Raises:
         OSError: The tree cannot be read.

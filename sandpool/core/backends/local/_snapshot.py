@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING
 
 from sandpool.core import errors
 from sandpool.core.backends.local import _layers, _overlay
-from sandpool.core.backends.local._layers import FileMemo, TreeHash
+from sandpool.core.backends.local._layers import TreeHash
+from sandpool.core.backends.local._memo import FileMemo
 from sandpool.core.images import ID_BASE
 from sandpool.core.mounts import MAX_OVERLAY_OPTS, mount_overlay, umount
 from sandpool.core.snapshot import Snapshot

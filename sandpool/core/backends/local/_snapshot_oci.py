@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from sandpool.core import errors
 from sandpool.core.backends.local import _layers, _overlay
+from sandpool.core.backends.local._memo import FileMemo
 from sandpool.core.backends.local._snapshot import Store, _set_root
 from sandpool.core.images import ID_BASE
 from sandpool.core.snapshot import Snapshot
@@ -55,7 +56,7 @@ def _changes(sb: LocalSandbox) -> list[_overlay.Change]:
     return [c for c in _overlay.diff(sb.view, sb.upper, "", pins) if c.path]
 
 
-def _lines(sb: LocalSandbox, changes: list[_overlay.Change], memo: _layers.FileMemo) -> list[bytes]:
+def _lines(sb: LocalSandbox, changes: list[_overlay.Change], memo: FileMemo) -> list[bytes]:
     assert sb.ids is not None and sb.root is not None
     out = []
     for c in changes:
