@@ -55,7 +55,7 @@ async def test_root_inside_is_an_unprivileged_uid_outside(oci_backend: LocalBack
     assert res.text.split() == ["0"]
     assert "unshare failed: No space left on device" in res.err_text  # no nested user namespace
     assert "Read-only file system" in res.err_text  # the host's /usr is mounted read-only
-    assert os.stat(sb.upper / "root" / "made-by-root").st_uid == sb.ids.base  # its own range
+    assert os.stat(sb.root_upper / "root" / "made-by-root").st_uid == sb.ids.base  # its own range
     host_uids = set()
     for pid in oci_backend._cgroups.pids(sb.id):
         status = Path(f"/proc/{pid}/status").read_text()
@@ -265,7 +265,7 @@ async def test_a_disk_full_hydration_leaves_no_usable_image(oci_images: Path, tm
 
     disk = tmp_path / "small"
     disk.mkdir()
-    await _quota.attach(_quota.template(48 << 20), tmp_path / "small.img", disk, 0)
+    await _quota.attach(_quota.template(48 << 20), tmp_path / "small.img", disk)
     try:
         store = ImageStore(disk / "store")
         with pytest.raises(OSError) as info:  # the 120 MB layer blob does not fit in 48 MB

@@ -7,12 +7,15 @@ the image's. Shown first against the reset restoring in place, then on the reset
 swaps in a fresh upper layer, and the next rollout finds every path's device, inode number and
 place in its directory's listing as after an idle rollout. The same for ``/dev/shm``: a tmpfs
 emptied in place still numbers the next file after every file the rollout made there; a fresh
-one starts where a fresh sandbox's does.
+one starts where a fresh sandbox's does. Both for a sandbox of an image directory and of an OCI
+image (the SWE-bench-shaped test image, whose repo is an overlay of its own over its root's).
 """
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 from sandpool.core.backends.local import LocalBackend
 from sandpool.core.reset import record_pristine, reset_in_place
@@ -67,36 +70,49 @@ def _decode(baseline: dict, seen: dict, candidates: list[str]) -> list[str]:
     return [p for p in candidates if seen["stat"][p] != baseline["stat"][p]]
 
 
-async def test_inodes_a_reset_restores_in_place_carry_bits_and_a_fresh_layer_none(
-        test_images_root, calc_commits):
-    backend = LocalBackend(test_images_root)
+@pytest.fixture(params=["image-dir", "oci"])
+async def sb(request, test_images_root):
+    """A fresh sandbox of the calc image directory, or of the OCI test image, as the pool
+    hands it out."""
+    if request.param == "oci":
+        from sandpool.envs.taskpack.oci import SWE_IMAGE
+
+        store = request.getfixturevalue("oci_store")
+        backend, image = LocalBackend(test_images_root, store=store), SWE_IMAGE
+    else:
+        request.getfixturevalue("calc_commits")
+        backend, image = LocalBackend(test_images_root), CALC_IMAGE
     try:
-        sb = await backend.create(CALC_IMAGE)
-        await record_pristine(sb, refresh_index=True)  # as the pool does for every sandbox
-        assert (await sb.exec("command -v python")).ok
-        files = sorted((await sb.exec("find . -type f ! -path ./.git/index -printf '%P\\n'")).text.split())
-        candidates = [p for p in files if p.startswith(".git/hooks/") or "/" not in p]
-        assert len(candidates) >= 8, files
-        secret = candidates[::3]  # bits 1 0 0 1 0 0 ...
-
-        # The reset restoring in place: the next rollout decodes the secret exactly.
-        sb.fresh_layers = False
-        baseline = await _rollout_then_reset(sb, [])
-        seen = await _rollout_then_reset(sb, secret)
-        assert _decode(baseline, seen, candidates) == secret
-
-        # The reset as it is: nothing to decode, and every path as after an idle rollout.
-        sb.fresh_layers = True
-        await _rollout_then_reset(sb, [])  # git's index is refreshed for the image's inodes again
-        baseline = await _rollout_then_reset(sb, [])
-        for bits in (secret, candidates, []):
-            seen = await _rollout_then_reset(sb, bits)
-            assert _decode(baseline, seen, candidates) == []
-            assert seen["order"] == baseline["order"]
-            moved = {p for p in baseline["stat"] if seen["stat"].get(p) != baseline["stat"][p]}
-            assert moved <= NOT_THE_IMAGES and seen["stat"].keys() == baseline["stat"].keys(), moved
+        sandbox = await backend.create(image)
+        await record_pristine(sandbox, refresh_index=True)  # as the pool does for every sandbox
+        yield sandbox
     finally:
         await backend.aclose()
+
+
+async def test_inodes_a_reset_restores_in_place_carry_bits_and_a_fresh_layer_none(sb):
+    assert (await sb.exec("command -v python")).ok
+    files = sorted((await sb.exec("find . -type f ! -path ./.git/index -printf '%P\\n'")).text.split())
+    candidates = [p for p in files if p.startswith(".git/hooks/") or "/" not in p]
+    assert len(candidates) >= 8, files
+    secret = candidates[::3]  # bits 1 0 0 1 0 0 ...
+
+    # The reset restoring in place: the next rollout decodes the secret exactly.
+    sb.fresh_layers = False
+    baseline = await _rollout_then_reset(sb, [])
+    seen = await _rollout_then_reset(sb, secret)
+    assert _decode(baseline, seen, candidates) == secret
+
+    # The reset as it is: nothing to decode, and every path as after an idle rollout.
+    sb.fresh_layers = True
+    await _rollout_then_reset(sb, [])  # git's index is refreshed for the image's inodes again
+    baseline = await _rollout_then_reset(sb, [])
+    for bits in (secret, candidates, []):
+        seen = await _rollout_then_reset(sb, bits)
+        assert _decode(baseline, seen, candidates) == []
+        assert seen["order"] == baseline["order"]
+        moved = {p for p in baseline["stat"] if seen["stat"].get(p) != baseline["stat"][p]}
+        assert moved <= NOT_THE_IMAGES and seen["stat"].keys() == baseline["stat"].keys(), moved
 
 
 # The next file's inode number in /dev/shm: a tmpfs numbers its files in turn, from its mount on.
@@ -115,17 +131,10 @@ async def _next_shm_inode_after(sb, files: bool) -> int:
     return int(res.text)
 
 
-async def test_the_shm_inode_counter_carries_a_count_over_an_emptied_tmpfs_and_not_a_fresh_one(
-        test_images_root, calc_commits):
-    backend = LocalBackend(test_images_root)
-    try:
-        sb = await backend.create(CALC_IMAGE)
-        await record_pristine(sb, refresh_index=True)
-        shm, sb.shm = sb.shm, None  # the tmpfs emptied in place, as bubblewrap's was
-        idle = await _next_shm_inode_after(sb, files=False)
-        assert await _next_shm_inode_after(sb, files=True) >= idle + 500
-        sb.shm = shm  # a fresh tmpfs for each reset
-        idle = await _next_shm_inode_after(sb, files=False)
-        assert [await _next_shm_inode_after(sb, files=f) for f in (True, False, True)] == [idle] * 3
-    finally:
-        await backend.aclose()
+async def test_the_shm_inode_counter_carries_a_count_over_an_emptied_tmpfs_and_not_a_fresh_one(sb):
+    shm, sb.shm = sb.shm, None  # the tmpfs emptied in place, as bubblewrap's was
+    idle = await _next_shm_inode_after(sb, files=False)
+    assert await _next_shm_inode_after(sb, files=True) >= idle + 500
+    sb.shm = shm  # a fresh tmpfs for each reset
+    idle = await _next_shm_inode_after(sb, files=False)
+    assert [await _next_shm_inode_after(sb, files=f) for f in (True, False, True)] == [idle] * 3

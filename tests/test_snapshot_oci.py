@@ -1,7 +1,8 @@
 """Snapshots and forks of local sandboxes of OCI images (the SWE-bench-shaped test image): the
-change set against the image, replayed into other sandboxes of it and verified; and the
-hostile cases of tests/test_snapshot_hostile.py that differ here, where a restore copies the
-change into the child's own root (a snapshot under a writer, the disk quota across forks)."""
+repo's layers stacked under other sandboxes of it, what changed outside the repo replayed into
+their roots, and verified; and the hostile cases of tests/test_snapshot_hostile.py on this
+image (a planted hook and a setuid file outside the repo, a snapshot under a writer, the disk
+quota across forks)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from sandpool.core.backends.local import LocalBackend
 from sandpool.core.images import ID_BASE
 from sandpool.envs.grading import DiffGrader
 
+from .conftest import BASE_IMAGE
 from .waiting import until
 
 STATE = ("echo '# note' >> calcpkg/__init__.py && rm -f README* && mkdir -p new/deep && echo x > new/deep/f"
@@ -73,8 +75,9 @@ async def test_a_restored_oci_sandbox_holds_a_planted_hook_and_setuid_file_inert
             assert (await parent.exec("cp /bin/true /usr/local/bin/suid && chmod 4755 /usr/local/bin/suid",
                                       timeout=60)).ok
             snap = await parent.snapshot()
-        (layer,) = [snap.location / p for p in snap.parts]
-        st = os.lstat(layer / "usr/local/bin/suid")
+        (layer,) = [snap.location / x["part"] for x in snap.detail["layers"]]  # the repo's, stacked
+        assert (layer / ".git/hooks/post-checkout").read_text() == hook
+        st = os.lstat(snap.location / snap.detail["outside"]["part"] / "usr/local/bin/suid")  # replayed
         assert (st.st_uid, st.st_mode & 0o7777) == (ID_BASE, 0o4755)  # the store's uid 0, never host root
         async with pool.claim(task, from_snapshot=snap) as child:
             res = await child.exec("stat -c '%a %u' /usr/local/bin/suid .git/hooks/post-checkout", timeout=60)
@@ -108,7 +111,7 @@ async def test_an_oci_snapshot_taken_while_a_process_writes_is_consistent(test_i
                 "import time\ni=0\nwhile True:\n os.write(fd,b'%08d ' % i + b'x'*4000 + b'\\\\n')\n"
                 " i+=1\n time.sleep(0.001)\" >/dev/null 2>&1 & echo started", timeout=60)
             assert res.ok
-            host = parent.sandbox.root / task.workdir.strip("/") / "log.txt"
+            host = parent.sandbox.merged / "log.txt"
             await until(lambda: host.exists() and host.stat().st_size > 400_000, "the writer running")
             snap = await parent.snapshot()
             async with pool.claim(task, from_snapshot=snap) as child:
@@ -133,17 +136,43 @@ async def test_the_disk_quota_holds_across_forks_of_an_oci_sandbox(test_images_r
             assert (await parent.exec(write.format(name="base.bin", n=48), timeout=120)).text == "done\n"
             a, b = await parent.fork(2)
             try:
-                # The change is replayed into each child's own root: on the child's quota.
-                full = await a.exec(write.format(name="a1.bin", n=64), timeout=120)
+                # The snapshot's 48 MiB are a shared lower layer: not on a child's quota.
+                assert (await a.exec(write.format(name="a1.bin", n=48), timeout=120)).text == "done\n"
+                full = await a.exec(write.format(name="a2.bin", n=48), timeout=120)
                 assert full.exit_code != 0 and "No space left on device" in full.err_text
                 with pytest.raises(errors.DiskQuotaExceeded):
-                    await a.write_file("a2.bin", b"x" * (32 * mib))
-                # A sibling's quota is its own, and so is the parent's.
-                assert (await b.exec(write.format(name="b1.bin", n=24), timeout=120)).text == "done\n"
-                assert (await parent.exec(write.format(name="p1.bin", n=24), timeout=120)).text == "done\n"
-                res = await b.exec("ls a1.bin a2.bin p1.bin; wc -c < base.bin", timeout=60)
+                    await a.write_file("a3.bin", b"x" * (32 * mib))
+                # A sibling's quota is its own; the parent's holds its own 48 MiB.
+                assert (await b.exec(write.format(name="b1.bin", n=48), timeout=120)).text == "done\n"
+                assert (await parent.exec(write.format(name="p1.bin", n=48), timeout=120)).exit_code != 0
+                res = await b.exec("ls a1.bin a2.bin a3.bin p1.bin; wc -c < base.bin", timeout=60)
                 assert res.text == f"{48 * mib}\n"  # none of the others' files
+                # Copying a layer's file up is charged to the child that changes it.
+                grow = await b.exec("echo x >> base.bin", timeout=120)
+                assert grow.exit_code != 0 and "No space left" in grow.err_text
             finally:
                 await a.release()
                 await b.release()
         assert pool.counters.quarantines == 0
+
+
+async def test_an_oci_sandbox_whose_repo_is_no_checkout_snapshots_its_whole_root(test_images_root,
+                                                                                 oci_store):
+    # The base image's workdir is /, no git checkout: no repo overlay of its own, so its whole
+    # root is the change set, replayed into the child.
+    backend = LocalBackend(test_images_root, store=oci_store)
+    try:
+        parent = await backend.create(BASE_IMAGE)
+        assert parent.repo_lower is None and await parent.restore_repo("") is None
+        assert (await parent.exec("echo kept > /root/kept && rm /etc/motd", cwd="/")).ok
+        snap = await parent.snapshot()
+        assert snap.detail["layers"] == [] and snap.size_bytes == len("kept\n")
+        child = await backend.create(BASE_IMAGE)
+        await child.load_snapshot(snap)
+        assert await child.state_hash() == snap.content_hash
+        res = await child.exec("cat /root/kept; test ! -e /etc/motd && echo gone", cwd="/")
+        assert res.text == "kept\ngone\n"
+        assert (await child.exec("echo more >> /root/kept", cwd="/")).ok
+        assert await child.state_hash() != snap.content_hash
+    finally:
+        await backend.aclose()

@@ -31,8 +31,8 @@ How "identical" is established depends on what the backend can see from outside 
 * :meth:`Sandbox.restore_repo` (the local backend): the overlay's upper layer, read on the
   host, lists exactly what changed; those paths are copied back from the image and compared
   with it on the host (type, mode, mtime, xattrs, bytes or link target). O(paths changed).
-  Where it can (an image directory's repo), the local backend swaps in a fresh upper layer
-  instead, so no inode the rollout wrote survives, and compares that.
+  For the whole repo the local backend swaps in a fresh upper layer instead, so no inode the
+  rollout wrote survives, and compares that.
 * otherwise (pods): a manifest of the fresh repo (every path's type, mode, sha256 or link
   target) and a copy of ``.git`` without its object store are recorded by :func:`record_pristine`
   when the sandbox is fresh and kept in this process, where the policy cannot write; the reset
@@ -322,7 +322,7 @@ async def record_pristine(sandbox: Sandbox, *, refresh_index: bool = False,
         InfraError: The sandbox could not be reached.
     """
     # restore_repo answers None where the backend cannot see changes from outside (a pod, an
-    # OCI sandbox whose repo may span image layers); on a fresh sandbox it is a cheap no-op.
+    # OCI sandbox whose repo is no git checkout of its own); on a fresh sandbox it is cheap.
     if await sandbox.restore_repo("", timeout=timeout) is None:
         await _record(sandbox, timeout)
     if refresh_index:

@@ -341,7 +341,7 @@ class Sandbox(abc.ABC):
     async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
         """What the rollout changed outside the repo and ``/tmp``, seen from outside the sandbox.
 
-        Optional: the local backend reads an OCI sandbox's overlay upper layer on the host;
+        Optional: the local backend reads an OCI sandbox's root overlay's upper layer on the host;
         a pod's agent (its pid 1) lists what the pod can write; default None (unknown).
 
         Returns:

@@ -35,7 +35,8 @@ Each sandbox is one long-lived agent process (``_agent.py``) under bubblewrap:
 
 OCI images hydrated into the image store (``sandpool images pull``, :mod:`sandpool.core.images`)
 are started the same way with their own root filesystem as ``/`` and root inside mapped to an
-unprivileged host uid; see ``_oci``. A name is looked up as an image directory first, then in
+unprivileged host uid, their repo an overlay of its own as an image directory's is; see
+``_oci``. A name is looked up as an image directory first, then in
 the image store.
 
 An image is a directory ``<images_root>/<safe-name>/`` holding ``image.json``, ``repo/`` and
@@ -45,8 +46,10 @@ Overlay mounts need root (``CAP_SYS_ADMIN``); :meth:`LocalBackend.preflight` say
 The package: :mod:`.backend` (:class:`LocalBackend`: images, the start sequence, deletion),
 :mod:`.sandbox` (:class:`LocalSandbox`: the agent's channel, in-place restore),
 :mod:`._bwrap` (the bubblewrap argv and what a sandbox sees where), :mod:`.image` (image
-directories), ``_cleanup`` (unmounting a sandbox, reaping dead runs), and the host-side
-helpers ``_oci``, ``_idmap``, ``_idrange``, ``_overlay``, ``_quota`` and ``_cgroup``. The agent,
+directories), ``_layout`` (a sandbox's directories and mounts on the host), ``_cleanup``
+(unmounting a sandbox, reaping dead runs), ``_fresh`` (the reset's fresh layers), ``_snapshot``
+(snapshots, restores and forks), and the host-side helpers ``_oci``, ``_idmap``,
+``_idrange``, ``_overlay``, ``_quota`` and ``_cgroup``. The agent,
 its channel and its seccomp filter are :mod:`sandpool.core.agent`'s.
 """
 

@@ -46,19 +46,21 @@ def host_sources(img: LocalImage, etc: Path, service: ServiceSpec | None = None)
     return out
 
 
-def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, merged: Path,
-           tmp: Path | None, work_fds: Sequence[int] = (), service: ServiceSpec | None = None,
-           service_dir: Path | None = None, views: Mapping[str, str] | None = None,
-           devices: Sequence[str] = (), shm: Path | None = None) -> list[str]:
-    """The bubblewrap argv of a sandbox of image directory ``img`` (see the package docstring).
+def bwrap_argv(limits: ResourceLimits, img: LocalImage, etc: Path, merged: Path, tmp: Path | None,
+               shm: Path, work_fds: Sequence[int] = (), service: ServiceSpec | None = None,
+               service_dir: Path | None = None, views: Mapping[str, str] | None = None,
+               devices: Sequence[str] = ()) -> list[str]:
+    """bubblewrap's options and command for a sandbox of image directory ``img`` (see the
+    package docstring); the backend adds the executable and its descriptors.
 
     Args:
-        bwrap: The bubblewrap executable.
         limits: The sandbox's limits (``network`` shares the host's network back).
         img: The image; its repo (the shifted copy) is bound read-only at :data:`IMAGE_IN_SANDBOX`.
         etc: The run's directory of ``passwd``, ``group`` and ``hosts`` (:func:`write_etc`).
-        merged: The repo's overlay, bound at ``img.workdir``.
+        merged: The host's shared mount point of the repo (``_fresh``), bound at ``img.workdir``.
         tmp: The host directory that becomes ``/tmp`` (on the quota filesystem), else a tmpfs.
+        shm: The host's shared mount point bound at ``/dev/shm``, on which the backend mounts
+            a fresh tmpfs for each lease (``_fresh``).
         work_fds: Descriptors of the work cgroup's ``cgroup.procs`` files, opened by the host
             and inherited by the agent, which moves its commands there through them only.
         service: The backend's service, whose binds are added with ``service_dir`` at
@@ -67,8 +69,6 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
         views: What to bind instead of each of :func:`host_sources` (``_views.mount``: its
             own inodes), and an ``"empty"`` file bound over ``_views.MASKED``.
         devices: Options binding the sandbox's own device nodes (``_views.devices``).
-        shm: The host's shared mount point bound at ``/dev/shm``, on which the backend mounts
-            a fresh tmpfs for each lease (``_fresh``); None: a tmpfs of bubblewrap's.
     """
     views = views or {}
 
@@ -77,7 +77,6 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
 
     venv_bin = f"{img.venv}/bin"
     argv = [
-        bwrap,
         "--unshare-all",
         "--unshare-user",
         *(["--share-net"] if limits.network else []),
@@ -107,7 +106,7 @@ def bwrap_argv(bwrap: str, limits: ResourceLimits, img: LocalImage, etc: Path, m
         *(a for path in MASKED if "empty" in views for a in ("--ro-bind", views["empty"], path)),
         "--dev", "/dev",
         *devices,
-        *(["--bind", str(shm), "/dev/shm"] if shm else ["--tmpfs", "/dev/shm"]),
+        "--bind", str(shm), "/dev/shm",
         "--mqueue", "/dev/mqueue",
         *(["--bind", str(tmp), "/tmp"] if tmp else ["--tmpfs", "/tmp"]),
         "--ro-bind", ro(img.python_prefix), img.python_prefix,

@@ -10,8 +10,11 @@ holding only sandpool's pinned files (git's refreshed index), is mounted over th
 and the old one is deleted. Every path is then the image's own inode again.
 
 The sandbox sees the swap as it sees a snapshot's stacked overlay (``_snapshot``): its repo is
-a slave of the host's shared mount, and the overlay it was created with stays below, never
-written: the backend swaps in the first fresh layer before any command runs.
+a slave of a shared mount point of the host (an empty directory bound onto itself), which the
+sandbox binds before anything is mounted on it, so every overlay mounted there later, and
+every unmount, shows inside. The backend swaps in the first fresh layer before any command
+runs. Both kinds of sandbox work this way: an OCI sandbox's repo is an overlay of its own over
+its root's (``_oci``).
 
 ``/dev/shm`` the same way (:func:`tmpfs`): a tmpfs numbers its files in turn from its mount
 on, so one emptied in place hands the next rollout the count of files the last one made; the
@@ -42,7 +45,7 @@ def swap(lower: Path, old: tuple[Path, Path] | None, disk: Path, pins: Mapping[s
     Args:
         lower: The image's repo as the sandbox's id range owns it (the overlay's lower layer).
         old: The upper and work directories of the fresh layer mounted now, unmounted and
-            deleted here; None for the first swap (only the sandbox's base overlay is there).
+            deleted here; None for the first swap (nothing is mounted on ``merged`` yet).
         disk: Where the new directories go (the sandbox's quota filesystem).
         pins: Repo-relative paths -> host files whose bytes, mode and times the new upper holds
             for them (owner and parent directories: the image's).
@@ -69,7 +72,7 @@ def swap(lower: Path, old: tuple[Path, Path] | None, disk: Path, pins: Mapping[s
         old = None
         _build(lower, upper, work, pins)
     if old is not None:
-        umount(merged)  # the old fresh layer's overlay; the sandbox's base overlay stays below
+        umount(merged)  # the old fresh layer's overlay; the shared mount point below stays
     mount_overlay([lower], upper, work, merged)
     if old is not None:
         _remove(old)

@@ -1,7 +1,8 @@
 """Snapshot layers of local sandboxes: an overlay upper layer copied to the host, and its hash.
 
-A snapshot of a local sandbox is what its overlay's upper layer holds (what changed since the
-image) plus its ``/tmp``. :func:`copy_tree` copies such a tree into a *layer* of the backend's
+A snapshot of a local sandbox is what its repo overlay's upper layer holds (what changed since
+the image) plus its ``/tmp`` or, for an OCI sandbox, its root's change set outside the repo
+(``_outside``). :func:`copy_tree` copies such a tree into a *layer* of the backend's
 snapshot store (under its run directory, out of every sandbox's reach), shifting owners from
 the sandbox's id range to the image store's (``ID_BASE + n``), as image layers are stored; a
 sandbox restored from it sees the layer through an idmapped mount in its own range. A layer
@@ -40,7 +41,7 @@ from sandpool.core.backends.local._memo import FileMemo
 from sandpool.core.images import ID_COUNT
 
 __all__ = ["TreeHash", "copy_entry", "copy_tree", "entry_records", "hash_tree",
-           "root_record"]
+           "root_record", "set_root"]
 
 _OPAQUE = "trusted.overlay.opaque"
 _NOBODY = 65534  # an owner outside the tree's range (none should be) is counted as nobody
@@ -115,6 +116,22 @@ def root_record(path: Path | str, base: int) -> str:
     """
     st = os.lstat(path)
     return _record(".", "d", st, base, _xattrs(str(path)), "").decode("utf-8", "surrogateescape")
+
+
+def set_root(path: Path | str, record: str, base: int) -> None:
+    """Give directory ``path`` the attributes ``record`` (:func:`root_record`) names, owners
+    counted from ``base``.
+
+    Raises:
+        OSError: They could not be set.
+    """
+    _, _, mode, uid, gid, mtime, xattrs, _ = record.rstrip("\n").split("\0")
+    os.chown(path, int(uid) + base, int(gid) + base)
+    for item in filter(None, xattrs.split(",")):
+        name, _, value = item.partition("=")
+        os.setxattr(path, name, base64.b64decode(value))
+    os.chmod(path, int(mode, 8))
+    os.utime(path, ns=(int(mtime), int(mtime)))
 
 
 def _walk(root: str) -> Iterator[tuple[str, str, os.stat_result]]:

@@ -6,6 +6,12 @@ How one OCI sandbox is laid out (the local backend calls these helpers):
   and image that has them) under a per-sandbox upper directory on the sandbox's quota
   filesystem (see ``_quota``), so the upper layer records exactly what a rollout changed. The
   host's ``/usr`` is not the toolchain: the image's own is.
+* The task's repo (``OciImage.repo_dir``, e.g. ``/testbed``), when it is a git checkout, is an
+  overlay of its own over the root's, as an image directory's repo is: its lower layer the
+  image's repo as the root's lowers show it (:func:`repo_view`), its upper on the quota
+  filesystem, mounted on a shared mount point of the host that the sandbox binds as a slave,
+  so the in-place reset swaps in a fresh upper layer (``_fresh``) and a snapshot's layers are
+  stacked under it (``_snapshot``). ``/dev/shm`` is such a mount point too.
 * A tiny skeleton layer on top supplies the mount points ``/.sandpool/{usr,python,agent.py}``
   without writing them into the upper layer.
 * User namespace: bubblewrap creates it and waits (``--userns-block-fd``) while the backend,
@@ -44,7 +50,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from sandpool.core import errors
-from sandpool.core.backends.local._idmap import as_host_id, disable_nested_userns, unpublish
+from sandpool.core.backends.local._idmap import disable_nested_userns, unpublish
 from sandpool.core.backends.local._idrange import IdRange
 from sandpool.core.backends.local._views import MASKED
 from sandpool.core.backends.local._views import unmount as unmount_host_views
@@ -53,8 +59,8 @@ from sandpool.core.images import ID_BASE, ID_COUNT, ImageStore, OciImage
 from sandpool.core.mounts import bind_ro, mount_overlay, umount
 
 __all__ = ["IMAGE_IN_SANDBOX", "PUBLIC_ROOT", "bwrap_argv", "changes_outside", "host_python",
-           "host_sources", "map_ids", "prepare_host", "public_dir", "release_host", "skeleton",
-           "unmount_views", "views"]
+           "host_sources", "map_ids", "prepare_host", "public_dir", "release_host", "repo_view",
+           "skeleton", "unmount_views", "views"]
 
 _SP = "/.sandpool"
 #: Where an OCI sandbox sees its image's pristine repo, read-only (the source of in-place
@@ -153,6 +159,14 @@ def views(store: ImageStore, img: OciImage, skel: Path, where: Path, ids: IdRang
     return [where / "skel", *layers], where / "view"
 
 
+def repo_view(img: OciImage, view: Path) -> Path | None:
+    """The image's repo in its read-only view ``view`` (:func:`views`) when it is a git
+    checkout below ``/`` (it gets an overlay of its own), else None (the repo is only part of
+    the root, restored by the generic path)."""
+    repo = view / img.repo_dir.strip("/")
+    return repo if img.repo_dir.strip("/") and (repo / ".git").is_dir() else None
+
+
 def unmount_views(where: Path) -> None:
     """Unmount a sandbox's root and views under ``where`` (the overlays before the idmapped
     binds under them); never raises."""
@@ -208,15 +222,17 @@ def release_host(pub: Path) -> None:
         shutil.rmtree(pub, ignore_errors=True)
 
 
-def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path,
-               block_fd: int, info_fd: int, seccomp_fd: int, host_id: int,
-               work_fds: Sequence[int] = (), view: Path | None = None,
+def bwrap_argv(img: OciImage, limits: ResourceLimits, *, root: Path, pub: Path, shm: Path,
+               repo: tuple[Path, Path] | None = None, work_fds: Sequence[int] = (),
                views: Mapping[str, str] | None = None, devices: Sequence[str] = ()) -> list[str]:
-    """The bubblewrap command line of one OCI sandbox (see the module docstring).
+    """bubblewrap's options and command for one OCI sandbox (see the module docstring) whose
+    root overlay is ``root``; the backend adds the executable and its descriptors.
 
-    ``views`` maps each of :func:`host_sources` to what to bind instead (``_views.mount``: its
-    own inodes, and an ``"empty"`` file bound over ``_views.MASKED``); ``devices`` binds the
-    sandbox's own device nodes (``_views.devices``).
+    ``shm`` (bound at ``/dev/shm``) and ``repo[1]`` (bound over the repo's directory) are the
+    host's shared mount points (``_layout``); ``repo[0]``, the image's repo in its view, is
+    bound at :data:`IMAGE_IN_SANDBOX`. ``views`` maps each of :func:`host_sources` to what to
+    bind instead and an ``"empty"`` file bound over ``_views.MASKED`` (``_views.mount``);
+    ``devices`` binds the sandbox's own device nodes (``_views.devices``).
     """
     views = views or {}
     prefix, py_argv = host_python()
@@ -226,13 +242,7 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
     env.setdefault("LANG", "C.UTF-8")
     env.setdefault("GIT_CONFIG_NOSYSTEM", "1")
     argv = [
-        # bubblewrap runs as host id ``host_id``, the base of the sandbox's range, which the map
-        # makes uid 0 inside: it must be able to name its own uid in the namespace it creates.
-        *as_host_id(host_id),
-        bwrap,
         "--unshare-all", "--unshare-user",
-        "--userns-block-fd", str(block_fd), "--info-fd", str(info_fd),
-        "--seccomp", str(seccomp_fd),  # agent.seccomp: no keyrings, no limits set on others
         *(["--share-net"] if limits.network else []),
         "--die-with-parent", "--new-session",
         "--assert-userns-disabled",  # the host disabled them (_idmap.disable_nested_userns)
@@ -247,18 +257,15 @@ def bwrap_argv(bwrap: str, img: OciImage, limits: ResourceLimits, *, root: Path,
         *(a for path in MASKED if "empty" in views for a in ("--ro-bind", views["empty"], path)),
         "--dev", "/dev",
         *devices,
-        # World-writable and sticky, as on any Linux host: a non-root User can use POSIX shm,
-        # and the reset can refresh its times (the agent does not own it then).
-        "--perms", "1777", "--tmpfs", "/dev/shm",
+        "--bind", str(shm), "/dev/shm",
         "--mqueue", "/dev/mqueue",
         "--ro-bind", views.get("/usr", "/usr"), f"{_SP}/usr",
         "--ro-bind", views.get(str(prefix), str(pub / "host" / "python")), f"{_SP}/python",
         "--ro-bind", views.get(str(pub / "host" / "agent.py"), str(pub / "host" / "agent.py")),
         _AGENT_IN,
     ]
-    repo_view = view / img.repo_dir.lstrip("/") if view is not None else None
-    if repo_view is not None and (repo_view / ".git").is_dir():
-        argv += ["--ro-bind", str(repo_view), IMAGE_IN_SANDBOX]
+    if repo is not None:
+        argv += ["--ro-bind", str(repo[0]), IMAGE_IN_SANDBOX, "--bind", str(repo[1]), img.repo_dir]
     # The agent puts each command into the work cgroup through these descriptors only (see
     # _bwrap: no cgroup file is visible inside).
     if work_fds:

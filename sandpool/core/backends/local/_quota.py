@@ -1,11 +1,11 @@
 """Per-sandbox disk quota: every writable place of a local sandbox lives on its own filesystem.
 
 Each sandbox gets a sparse file holding an ext4 filesystem of ``ResourceLimits.disk_bytes``,
-loop-mounted ``nodev,nosuid,noatime``; the overlay upper and work directories and the
-sandbox's ``/tmp`` are on it. A rollout that writes more than its quota gets ``ENOSPC`` ("No
-space left on device") from the kernel, at the write that crossed it, and the sandbox keeps
-working: the host disk is never filled past the quota, and the in-place reset frees what the
-rollout wrote.
+loop-mounted ``nodev,nosuid,noatime``; the upper and work directories of its overlays (its
+repo's layers, an OCI sandbox's root) and an image directory sandbox's ``/tmp`` are on it. A
+rollout that writes more than its quota gets ``ENOSPC`` ("No space left on device") from the
+kernel, at the write that crossed it, and the sandbox keeps working: the host disk is never
+filled past the quota, and the in-place reset frees what the rollout wrote.
 The file costs host disk only for what is written (sparse).
 
 Why a loop filesystem: a size-limited tmpfs would charge the files to the sandbox's memory
@@ -67,11 +67,9 @@ def template(size_bytes: int) -> Path:
         os.close(fd)
 
 
-async def attach(tpl: Path, image: Path, mountpoint: Path, owner: int) -> None:
+async def attach(tpl: Path, image: Path, mountpoint: Path) -> None:
     """Copy ``tpl`` sparsely to ``image`` and loop-mount it on ``mountpoint`` (``noatime``:
-    the host's reads of an upper layer never move the access times the reset compares).
-
-    Makes ``upper/``, ``work/`` and ``tmp/`` (mode 1777) on it, owned by host uid/gid ``owner``.
+    the host's reads of an upper layer never move the access times the reset compares), empty.
 
     Raises:
         OSError: The copy or the mount failed (message has mount's output).
@@ -83,10 +81,6 @@ async def attach(tpl: Path, image: Path, mountpoint: Path, owner: int) -> None:
     _, err = await proc.communicate()
     if proc.returncode != 0:
         raise OSError(f"disk quota filesystem for {mountpoint}: {err.decode(errors='replace').strip()}")
-    for name in ("upper", "work", "tmp"):
-        (mountpoint / name).mkdir()
-        os.chown(mountpoint / name, owner, owner)
-    os.chmod(mountpoint / "tmp", 0o1777)
     with contextlib.suppress(OSError):
         (mountpoint / "lost+found").rmdir()
 

@@ -1,45 +1,46 @@
-"""Snapshots of local sandboxes: overlay layers on the host, stacked to restore and to fork.
+"""Snapshots of local sandboxes: the repo's layers on the host, stacked to restore and to fork.
 
-A sandbox of an image directory writes its repo into its overlay's upper layer and its
-``/tmp`` into a directory of its quota filesystem. So:
+Every local sandbox's repo is an overlay of its own (an OCI sandbox's over its root's, see
+``_oci``), mounted on a shared mount point of the host that the sandbox binds as a slave
+(``_fresh``); its upper layer holds what a rollout changed in the repo. What it changed
+elsewhere is its ``/tmp`` (an image directory's, a directory of its quota filesystem) or the
+change set of its root outside the repo (an OCI sandbox's, ``_outside``). So:
 
 * **snapshot**: the sandbox's cgroup is frozen (every process stops where it is: no write is
   half-seen), its repo's upper layer is copied into a new *layer* of the backend's store and
-  its ``/tmp`` beside it (``_layers.copy_tree``: owners shifted to the image store's range;
-  a file unchanged since an earlier snapshot is hard-linked from it, so the cost is what
-  changed since), and the sandbox is thawed. The layer is never written again.
+  the rest beside it (``/tmp`` with ``_layers.copy_tree``, or the root's change set with
+  ``_outside.capture``; owners shifted to the image store's range; a file unchanged since an
+  earlier snapshot is hard-linked from it, so the cost is what changed since), and the sandbox
+  is thawed. The layer is never written again.
 * **restore** (and so **fork**, a snapshot restored into n sandboxes): on a pristine sandbox of
   the same image, a new overlay is mounted over its repo: lower layers the snapshot's (top
-  first, each through an idmapped mount in the sandbox's own id range) above the image, upper
-  a new directory on the sandbox's quota filesystem. Nothing of the image or of the layers is
-  copied, and siblings share the layers read-only: what one writes lands in its own upper
-  layer, which no other sandbox sees. The repo's mount is a shared mount on the host, bound
-  into the sandbox as its slave, so the host's mount appears in the sandbox at once. ``/tmp``
-  is copied in.
+  first, each through an idmapped mount in the sandbox's own id range) above the image's
+  repo, upper a new directory on the sandbox's quota filesystem. Nothing of the image or of
+  the layers is copied, and siblings share the layers read-only: what one writes lands in its
+  own upper layer, which no other sandbox sees. The host's mount appears in the sandbox at
+  once. ``/tmp`` is copied in, an OCI sandbox's change set outside the repo replayed.
 * **reset** of a restored sandbox: the stacked overlay is unmounted (its removal propagates
-  the same way), which brings back the sandbox's own overlay, untouched since its last
-  verified reset, and the in-place reset then swaps in a fresh upper layer over the image
+  the same way), which brings back the sandbox's own layer, untouched since its last verified
+  reset, and the in-place reset then swaps in a fresh upper layer over the image
   (``LocalSandbox.restore_repo``) and verifies it like any other. A restore of
   ``.git`` alone (grading) compares the merged view with the image for every path any layer
   holds (``_overlay.diff_merged``).
 
 State hash (:func:`state_hash`; a snapshot's ``content_hash``): sha256 over the image's build,
 the repo root's own attributes, the hash of each layer above the image (the live upper layer
-when it holds anything, then the stacked layers, top first) and the hash of ``/tmp``. A
-restored sandbox must show its snapshot's: its new upper is empty, and each stacked layer is
-hashed again from the store (unchanged files by the memo, see ``_layers``), so a layer altered
-since, an incomplete ``/tmp`` or a wrong stack is caught and the sandbox quarantined.
+when it holds anything, then the stacked layers, top first) and the hash of the rest (``/tmp``'s
+tree, or the change set's records). A restored sandbox must show its snapshot's: its new upper
+is empty, and each stacked layer is hashed again from the store (unchanged files by the memo,
+see ``_layers``), so a layer altered since, an incomplete ``/tmp`` or replay, or a wrong stack
+is caught and the sandbox quarantined.
 
 What a snapshot does not hold: processes, ``/dev/shm`` and ``/dev/mqueue`` (memory, like
 processes), a service's directory (a service is restored to its fresh state anyway).
-Sandboxes of OCI images, whose root is the overlay (which cannot be stacked under a running
-sandbox), are snapshotted as a change set instead: ``_snapshot_oci``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
 import json
@@ -52,7 +53,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from sandpool.core import errors
-from sandpool.core.backends.local import _layers, _overlay
+from sandpool.core.backends.local import _layers, _outside, _overlay
 from sandpool.core.backends.local._layers import TreeHash
 from sandpool.core.backends.local._memo import FileMemo
 from sandpool.core.images import ID_BASE
@@ -62,7 +63,8 @@ from sandpool.core.snapshot import Snapshot
 if TYPE_CHECKING:
     from sandpool.core.backends.local.sandbox import LocalSandbox
 
-__all__ = ["MAX_LAYERS", "Stack", "Store", "capture", "load", "state_hash", "unstack"]
+__all__ = ["MAX_LAYERS", "Stack", "Store", "capture", "load", "repo_upper", "stacked_changes",
+           "state_hash", "unstack"]
 
 #: Layers a snapshot may stack above the image (a fork of a fork ... this deep).
 MAX_LAYERS = 24
@@ -145,6 +147,8 @@ class Store:
 
 
 def _parts(snap: Snapshot) -> list[tuple[str, str]]:
+    # The parts whose tree hash is recorded (a change set's hash is its records' through the
+    # root it is replayed into: checked by the restored sandbox's state hash).
     d = snap.detail
     out = [(layer["part"], layer["hash"]) for layer in d["layers"]]
     if d.get("tmp"):
@@ -153,13 +157,21 @@ def _parts(snap: Snapshot) -> list[tuple[str, str]]:
 
 
 def image_id(sb: LocalSandbox) -> str:
-    """The identity of the sandbox's image build: its repo's commit and directory identity."""
+    """The identity of the sandbox's image build: an OCI image's digest; an image directory's
+    repo commit and directory identity."""
+    if sb.oci is not None:
+        return sb.oci.digest
     st = os.stat(sb.image_repo)
     return f"{sb.head}:{st.st_dev}:{st.st_ino}:{st.st_ctime_ns}"
 
 
-def _content_hash(img: str, root: str, layers: list[str], tmp: str) -> str:
-    body = json.dumps({"image_id": img, "root": root, "layers": layers, "tmp": tmp}, sort_keys=True)
+def _rest(sb: LocalSandbox) -> str:
+    """What a snapshot of ``sb`` holds beside its repo's layers: ``tmp`` or ``outside``."""
+    return "outside" if sb.oci is not None else "tmp"
+
+
+def _content_hash(img: str, root: str, layers: list[str], rest: str, rest_hash: str) -> str:
+    body = json.dumps({"image_id": img, "root": root, "layers": layers, rest: rest_hash}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()
 
 
@@ -168,69 +180,75 @@ def _has_entries(d: Path) -> bool:
         return any(True for _ in it)
 
 
-def _repo_upper(sb: LocalSandbox) -> Path:
-    return sb.stack.upper if sb.stack is not None and sb.stack.upper is not None else sb.upper
-
-
-def _check_dir(sb: LocalSandbox) -> None:
-    if sb.oci is not None:  # its root is the overlay: a change set, see _snapshot_oci
-        raise errors.ConfigError(f"sandbox {sb.id} runs OCI image {sb.image!r}: its snapshots are "
-                                 "change sets (_snapshot_oci), not stacked layers")
+def repo_upper(sb: LocalSandbox) -> Path:
+    """Host path of the upper layer the sandbox's repo writes go to now: a restored sandbox's
+    stacked overlay's, else its fresh layer's."""
+    upper = sb.stack.upper if sb.stack is not None and sb.stack.upper is not None else sb.upper
+    assert upper is not None
+    return upper
 
 
 async def capture(sb: LocalSandbox, store: Store) -> Snapshot:
     """Take a snapshot of ``sb`` (see the module docstring); blocking work runs in a thread.
 
     Raises:
-        ConfigError: The sandbox runs an OCI image, or its snapshot would stack more than
-            :data:`MAX_LAYERS` layers.
+        ConfigError: Its snapshot would stack more than :data:`MAX_LAYERS` layers.
         InfraTimeout: Its processes could not be frozen.
         InfraError: A copy failed on the host.
     """
-    _check_dir(sb)
     below = sb.stack
     await sb.freezer(True)
     try:
-        made = await asyncio.to_thread(_copy_state, sb, store)
+        layer, root, rest = await asyncio.to_thread(_copy_state, sb, store)
     finally:
         await sb.freezer(False)
-    layer, tmp_dir, tmp, root = made
     layers = ([{"part": str(layer[0].relative_to(store.root)), "hash": layer[1].digest,
                 "size": layer[1].size_bytes}] if layer is not None else [])
-    below_layers = list(below.snapshot.detail["layers"]) if below is not None else []
-    layers += below_layers
+    own = [x["part"] for x in layers] + [rest["part"]]
+    layers += list(below.snapshot.detail["layers"]) if below is not None else []
     if len(layers) > MAX_LAYERS:
+        for part in own:
+            shutil.rmtree(store.root / part, ignore_errors=True)
         raise errors.ConfigError(f"sandbox {sb.id}: a snapshot of it would stack {len(layers)} layers"
                                  f" (at most {MAX_LAYERS}): it was restored from snapshots this deep; "
                                  "fork from a shallower state")
-    tmp_rel = str(tmp_dir.relative_to(store.root))
-    own = [layers[0]["part"]] if layer is not None else []
-    detail = {"root": root, "layers": layers, "tmp": {"part": tmp_rel, "hash": tmp.digest,
-                                                      "size": tmp.size_bytes}, "own": own + [tmp_rel]}
-    digest = _content_hash(image_id(sb), root, [x["hash"] for x in layers], tmp.digest)
-    parts = tuple(x["part"] for x in layers) + (tmp_rel,)
+    kind = _rest(sb)
+    detail = {"root": root, "layers": layers, kind: rest, "own": own}
+    digest = _content_hash(image_id(sb), root, [x["hash"] for x in layers], kind, rest["hash"])
+    parts = tuple(x["part"] for x in layers) + (rest["part"],)
     return Snapshot(id=Snapshot.new_id(), image=sb.image, image_id=image_id(sb), backend=_BACKEND,
-                    content_hash=digest, size_bytes=sum(x["size"] for x in layers) + tmp.size_bytes,
+                    content_hash=digest, size_bytes=sum(x["size"] for x in layers) + rest["size"],
                     parts=parts, location=store.root, detail=MappingProxyType(detail))
 
 
-def _copy_state(sb: LocalSandbox, store: Store) -> tuple[tuple[Path, TreeHash] | None, Path, TreeHash, str]:
+def _copy_state(sb: LocalSandbox, store: Store) -> tuple[tuple[Path, TreeHash] | None, str, dict]:
+    """The repo's upper layer copied to a new layer of ``store`` (None when it holds nothing),
+    the repo root's record, and the rest (``/tmp`` or the change set outside the repo)."""
     assert sb.ids is not None
     base = sb.ids.base
-    upper = _repo_upper(sb)
-    layer = None
-    dst = None
+    layer, root = None, ""
+    made: list[Path] = []
     try:
-        if _has_entries(upper):
-            dst = store.new_dir("layers")
-            layer = (dst, _layers.copy_tree(upper, dst, src_base=base, dst_base=ID_BASE, memo=store.memo))
-        tmp_dst = store.new_dir("tmp")
-        tmp = _layers.copy_tree(sb.tmp_host(), tmp_dst, src_base=base, dst_base=ID_BASE, memo=store.memo)
+        if sb.repo_lower is not None:
+            upper = repo_upper(sb)
+            root = _layers.root_record(upper, base)
+            if _has_entries(upper):
+                made.append(store.new_dir("layers"))
+                layer = (made[-1], _layers.copy_tree(upper, made[-1], src_base=base, dst_base=ID_BASE,
+                                                     memo=store.memo))
+        if sb.oci is not None:
+            made.append(store.new_dir("outside"))
+            rest = _outside.capture(sb, made[-1], store.memo)
+        else:
+            made.append(store.new_dir("tmp"))
+            tmp = _layers.copy_tree(sb.tmp_host(), made[-1], src_base=base, dst_base=ID_BASE,
+                                    memo=store.memo)
+            rest = {"hash": tmp.digest, "size": tmp.size_bytes}
     except OSError as exc:
-        if dst is not None:
-            shutil.rmtree(dst, ignore_errors=True)
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
         raise errors.InfraError(f"sandbox {sb.id}: copying its state for a snapshot failed: {exc}") from exc
-    return layer, tmp_dst, tmp, _layers.root_record(upper, base)
+    return layer, root, {"part": str(made[-1].relative_to(store.root)), **rest}
 
 
 async def load(sb: LocalSandbox, snap: Snapshot, store: Store, views: Path) -> None:
@@ -245,11 +263,13 @@ async def load(sb: LocalSandbox, snap: Snapshot, store: Store, views: Path) -> N
 
     Raises:
         ConfigError: The snapshot is of another image, build or backend, or its data is gone
-            or altered; or ``sb`` runs an OCI image.
-        InfraError: A mount or copy failed on the host.
+            or altered.
+        InfraError: A mount, copy or replay failed on the host.
     """
-    _check_dir(sb)
     snap.check_target(sb.image, image_id(sb), _BACKEND)
+    if _rest(sb) not in snap.detail:
+        raise errors.ConfigError(f"snapshot {snap.id} was taken by another version of sandpool's "
+                                 f"local backend (it holds no {_rest(sb)!r} part); take it again")
     snap = await asyncio.to_thread(store.ready, snap)
     if sb.stack is not None:
         await unstack(sb)
@@ -261,50 +281,48 @@ async def load(sb: LocalSandbox, snap: Snapshot, store: Store, views: Path) -> N
 
 
 def _stack(sb: LocalSandbox, snap: Snapshot, views: Path) -> None:
-    assert sb.ids is not None and sb.repo_lower is not None
+    assert sb.ids is not None
+    d = snap.detail
+    if sb.repo_lower is not None:
+        _stack_repo(sb, snap, views)
+    if sb.oci is not None:
+        _outside.replay(sb, snap.location / d["outside"]["part"], d["outside"])
+    else:
+        _layers.copy_tree(snap.location / d["tmp"]["part"], sb.tmp_host(), src_base=ID_BASE,
+                          dst_base=sb.ids.base, into=True)
+
+
+def _stack_repo(sb: LocalSandbox, snap: Snapshot, views: Path) -> None:
+    assert sb.ids is not None and sb.repo_lower is not None and sb.upper is not None
     layers = [snap.location / x["part"] for x in snap.detail["layers"]]
     stack = Stack(snap, layers, [x["hash"] for x in snap.detail["layers"]])
     sb.stack = stack
-    if layers:
-        views.mkdir(exist_ok=True)
-        targets = []
-        for src in layers:
-            t = views / uuid.uuid4().hex[:8]
-            t.mkdir()
-            targets.append(t)
-        sb.ids.view(list(zip(layers, targets)))
-        stack.views = targets
-        disk = sb.upper.parent
-        n = uuid.uuid4().hex[:8]
-        stack.upper, stack.work = disk / f"upper-{n}", disk / f"work-{n}"
-        for d in (stack.upper, stack.work):
-            d.mkdir()
-        # The merged root takes the upper root's attributes: make them the snapshot's.
-        _set_root(stack.upper, snap.detail["root"], sb.ids.base)
-        lowers = [*targets, sb.repo_lower]
-        if len(",".join(str(p) for p in lowers)) > MAX_OVERLAY_OPTS - 200:
-            raise OSError(7, f"{len(layers)} layers do not fit in one overlay mount")
-        mount_overlay(lowers, stack.upper, stack.work, sb.merged)
-    else:
-        _set_root(sb.upper, snap.detail["root"], sb.ids.base)
-    tmp = snap.location / snap.detail["tmp"]["part"]
-    _layers.copy_tree(tmp, sb.tmp_host(), src_base=ID_BASE, dst_base=sb.ids.base, into=True)
-
-
-def _set_root(path: Path, record: str, base: int) -> None:
-    """Give directory ``path`` the attributes ``record`` (:func:`_layers.root_record`) names."""
-    _, _, mode, uid, gid, mtime, xattrs, _ = record.rstrip("\n").split("\0")
-    os.chown(path, int(uid) + base, int(gid) + base)
-    for item in filter(None, xattrs.split(",")):
-        name, _, value = item.partition("=")
-        os.setxattr(path, name, base64.b64decode(value))
-    os.chmod(path, int(mode, 8))
-    os.utime(path, ns=(int(mtime), int(mtime)))
+    if not layers:
+        _layers.set_root(sb.upper, snap.detail["root"], sb.ids.base)
+        return
+    views.mkdir(exist_ok=True)
+    targets = []
+    for _ in layers:
+        t = views / uuid.uuid4().hex[:8]
+        t.mkdir()
+        targets.append(t)
+    sb.ids.view(list(zip(layers, targets)))
+    stack.views = targets
+    n = uuid.uuid4().hex[:8]
+    stack.upper, stack.work = sb.disk / f"upper-{n}", sb.disk / f"work-{n}"
+    for d in (stack.upper, stack.work):
+        d.mkdir()
+    # The merged root takes the upper root's attributes: make them the snapshot's.
+    _layers.set_root(stack.upper, snap.detail["root"], sb.ids.base)
+    lowers = [*targets, sb.repo_lower]
+    if len(",".join(str(p) for p in lowers)) > MAX_OVERLAY_OPTS - 200:
+        raise OSError(7, f"{len(layers)} layers do not fit in one overlay mount")
+    mount_overlay(lowers, stack.upper, stack.work, sb.merged)
 
 
 async def unstack(sb: LocalSandbox) -> None:
     """Unmount a restored sandbox's stacked overlay and layers; free its upper layer. Its own
-    overlay, untouched since its last verified reset, is its repo again. Call it with no
+    layer, untouched since its last verified reset, is its repo again. Call it with no
     process of a rollout left. Idempotent."""
     stack, sb.stack = sb.stack, None
     if stack is None:
@@ -312,7 +330,7 @@ async def unstack(sb: LocalSandbox) -> None:
 
     def undo() -> None:
         if stack.upper is not None:
-            umount(sb.merged)  # the stacked overlay only: the sandbox's own is below it
+            umount(sb.merged)  # the stacked overlay only: the sandbox's own layer is below it
         for v in stack.views:
             umount(v)
             with contextlib.suppress(OSError):
@@ -329,26 +347,29 @@ def state_hash(sb: LocalSandbox, store: Store) -> str:
     docstring). Blocking; reads every layer (unchanged files by the memo).
 
     Raises:
-        ConfigError: The sandbox runs an OCI image.
         OSError: A layer cannot be read.
     """
-    _check_dir(sb)
     assert sb.ids is not None
     base = sb.ids.base
-    upper = _repo_upper(sb)
-    hashes = []
-    if _has_entries(upper):
-        hashes.append(_layers.hash_tree(upper, base=base, memo=store.memo).digest)
+    hashes, root = [], ""
+    if sb.repo_lower is not None:
+        upper = repo_upper(sb)
+        if _has_entries(upper):
+            hashes.append(_layers.hash_tree(upper, base=base, memo=store.memo).digest)
+        root = _layers.root_record(upper, base)
     if sb.stack is not None:
         hashes += [_layers.hash_tree(p, base=ID_BASE, memo=store.memo, store=True).digest
                    for p in sb.stack.layers]
-    tmp = _layers.hash_tree(sb.tmp_host(), base=base, memo=store.memo).digest
-    return _content_hash(image_id(sb), _layers.root_record(upper, base), hashes, tmp)
+    if sb.oci is not None:
+        rest = _outside.digest(sb, store.memo)
+    else:
+        rest = _layers.hash_tree(sb.tmp_host(), base=base, memo=store.memo).digest
+    return _content_hash(image_id(sb), root, hashes, _rest(sb), rest)
 
 
 def stacked_changes(sb: LocalSandbox, under: str) -> list[_overlay.Change]:
     """What differs from the image at or below ``under`` in a restored sandbox's repo: every
     path its upper layer or a stacked layer holds, compared through the merged view."""
     assert sb.stack is not None and sb.repo_lower is not None
-    layers = [_repo_upper(sb), *sb.stack.layers]
+    layers = [repo_upper(sb), *sb.stack.layers]
     return _overlay.diff_merged(sb.repo_lower, layers, sb.merged, under)

@@ -8,21 +8,18 @@ import itertools
 import os
 import shutil
 import signal
-import stat
 import time
 import uuid
 from pathlib import Path
 
 from sandpool.core import errors
 from sandpool.core.agent import seccomp as _seccomp
-from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _oci, _quota, _snapshot, _views
-from sandpool.core.backends.local._bwrap import AGENT, bwrap_argv, host_sources, write_etc
+from sandpool.core.backends.local import _cgroup, _idmap, _idrange, _layout, _oci, _snapshot
 from sandpool.core.backends.local._cleanup import make_run_dir, reap_stale, unmount_sandbox
 from sandpool.core.backends.local.image import LocalImage, image_dir, load_image
 from sandpool.core.backends.local.sandbox import LocalSandbox
 from sandpool.core.base import Backend, ResourceLimits, Sandbox
 from sandpool.core.images import ImageStore, OciImage
-from sandpool.core.mounts import make_shared, mount_overlay
 from sandpool.core.paths import sandpool_home
 from sandpool.core.service import ServiceSpec
 from sandpool.core.snapshot import Snapshot
@@ -168,7 +165,6 @@ class LocalBackend(Backend):
         if self.service is not None and isinstance(img, OciImage):
             raise errors.ConfigError(f"image {image!r} is an OCI image; a ServiceSpec runs only in "
                                      "sandboxes of image directories")
-        etc = write_etc(self._run_dir)
         sid = f"sb-{self.run_id}-{next(self._seq)}"
         state = self._run_dir / sid
         oci = isinstance(img, OciImage)
@@ -180,21 +176,11 @@ class LocalBackend(Backend):
         budget = None
         # The sandbox's own host ids: no per-user kernel object shared with another (_idrange).
         ids = _idrange.allocate()
-        user = ids.host(img.uid) if oci else ids.host(_idmap.SANDBOX_UID)  # who runs it, on the host
+        # Who runs bubblewrap, on the host: uid 0 inside for an OCI image (setpriv drops to its
+        # User), the sandbox user for an image directory.
+        runner = ids.base if oci else ids.host(_idmap.SANDBOX_UID)
         try:
             state.mkdir(parents=True)
-            upper, work, tmp = state / "upper", state / "work", None
-            if self.limits.disk_bytes:
-                disk = state / "disk"
-                disk.mkdir()
-                tpl = await _offload_ret(_quota.template, self.limits.disk_bytes)
-                await _quota.attach(tpl, state / "disk.img", disk, ids.base if oci else user)
-                upper, work, tmp = disk / "upper", disk / "work", disk / "tmp"
-            else:
-                upper.mkdir()
-                work.mkdir()
-                if oci:
-                    os.chown(upper, ids.base, ids.base)
             procs = self._cgroups.create(sid, self.limits) if self._cgroups else []
             budget = self._cgroups.watch(sid) if self._cgroups else None  # whose a death is
             # The agent moves its commands into the work group through these descriptors,
@@ -209,53 +195,10 @@ class LocalBackend(Backend):
             pass_fds.append(block_r)
             seccomp_r = _seccomp.program_fd()  # no keyrings, no limits set on other processes
             pass_fds.append(seccomp_r)
-            if oci:
-                pub = _oci.prepare_host(self.run_id, AGENT)
-                root = pub / sid / "root"
-                root.mkdir(parents=True)
-                lowers, view = await _offload_ret(_oci.views, self.store, img,
-                                                  _oci.skeleton(self._run_dir), pub / sid, ids)
-                mount_overlay(lowers, upper, work, root)
-                views = await _offload_ret(_views.mount, pub / sid, _oci.host_sources(pub))
-                devices = await _offload_ret(_views.devices, pub / sid)
-                argv = _oci.bwrap_argv(self.bwrap, img, self.limits, root=root, pub=pub,
-                                       block_fd=block_r, info_fd=info_w, seccomp_fd=seccomp_r,
-                                       host_id=ids.base, work_fds=work_fds, view=view,
-                                       views=views, devices=devices)
-            else:
-                merged, lower = state / "merged", state / "lower"
-                merged.mkdir()
-                lower.mkdir()
-                # The image's repo as the sandbox's range owns it: the overlay's lower layer and
-                # the in-place reset's restore source.
-                await _offload(ids.view, [(Path(img.repo), lower)])
-                img = img.model_copy(update={"repo": str(lower)})
-                # The merged root takes the upper root's attributes: make them the image's, so
-                # the fresh repo is identical to the image's down to its root directory.
-                lst = os.stat(img.repo)
-                os.chown(upper, lst.st_uid, lst.st_gid)
-                os.chmod(upper, stat.S_IMODE(lst.st_mode))
-                os.utime(upper, ns=(lst.st_atime_ns, lst.st_mtime_ns))
-                # Shared: a snapshot's overlay mounted over it later shows in the sandbox too.
-                make_shared(merged)
-                shm = state / "shm"  # the same for /dev/shm: a fresh tmpfs for each lease
-                shm.mkdir()
-                make_shared(shm)
-                mount_overlay([img.repo], upper, work, merged)
-                # The service's directory shares the sandbox's disk quota when there is one.
-                svc = (state / "disk" if self.limits.disk_bytes else state) / "service"
-                if self.service is not None:
-                    svc.mkdir()
-                    os.chown(svc, user, user)
-                # What it sees of the host, through inodes of its own (no lock crosses sandboxes).
-                pub = _oci.public_dir(self.run_id) / sid
-                views = await _offload_ret(_views.mount, pub, host_sources(img, etc, self.service))
-                devices = await _offload_ret(_views.devices, pub)
-                argv = bwrap_argv(self.bwrap, self.limits, img, etc, merged, tmp, work_fds,
-                                  self.service, svc, views, devices, shm)
-                argv = _idmap.publish_binds(argv[1:], pub, user)
-                argv = [*_idmap.as_host_id(user), self.bwrap, "--userns-block-fd", str(block_r),
-                        "--info-fd", str(info_w), "--seccomp", str(seccomp_r), *argv]
+            lay = await _layout.lay_out(self, img, state, ids, runner, work_fds)
+            argv = [*_idmap.as_host_id(runner), self.bwrap, "--userns-block-fd", str(block_r),
+                    "--info-fd", str(info_w), "--seccomp", str(seccomp_r),
+                    *_idmap.publish_binds(lay.options, lay.pub, runner)]
             stderr = open(state / "stderr.log", "wb")  # noqa: SIM115 - handed to the child
             try:
                 proc = await asyncio.create_subprocess_exec(
@@ -283,16 +226,10 @@ class LocalBackend(Backend):
             raise errors.SandboxStartError(f"sandbox {sid} for {image!r}: {exc}") from exc
         for fd in pass_fds:
             os.close(fd)
-        sandbox = LocalSandbox(sid, img, proc, state, upper)
+        sandbox = LocalSandbox(sid, proc, lay)
         sandbox.budget, sandbox.ids, sandbox.cgroup = budget, ids, self._cgroups
-        sandbox.image_repo, sandbox.tmp_dir = image_repo, tmp
-        sandbox.snapshots = self.snapshots
+        sandbox.image_repo, sandbox.snapshots = image_repo, self.snapshots
         sandbox.freezer = functools.partial(self.freeze, sandbox)
-        if oci:
-            sandbox.lowers, sandbox.view, sandbox.root = lowers, view, root
-            if (view / img.repo_dir.lstrip("/") / ".git").is_dir():
-                sandbox._lower = str(view / img.repo_dir.lstrip("/"))
-                sandbox._image_in_sandbox = _oci.IMAGE_IN_SANDBOX
         self._live[sid] = sandbox
         try:
             try:
@@ -301,15 +238,15 @@ class LocalBackend(Backend):
                 os.close(info_r)
                 os.close(block_w)
             await sandbox._wait_ready(self.start_timeout)
-            if not oci:  # rollouts write to fresh uppers over it: its own upper stays empty
-                sandbox.fresh_layers, sandbox.shm = True, shm
-                problems = await sandbox.restore_repo("", timeout=self.start_timeout)
-                problems += await asyncio.to_thread(sandbox.fresh_shm)
-                if problems:
-                    raise errors.SandboxStartError(f"sandbox {sid}: its repo layer: {problems}")
+            # Rollouts write to fresh layers over the repo: the first goes in now, as a fresh
+            # tmpfs on /dev/shm.
+            problems = await sandbox.restore_repo("", timeout=self.start_timeout) or []
+            problems += await asyncio.to_thread(sandbox.fresh_shm)
+            if problems:
+                raise errors.SandboxStartError(f"sandbox {sid}: its repo layer or /dev/shm: {problems}")
             await sandbox.record_scratch(timeout=self.start_timeout)
             if self.service is not None:
-                sandbox.service_dir = svc
+                sandbox.service_dir = lay.service_dir
                 await sandbox.start_service(self.service)
         except BaseException:
             await self.delete(sandbox)

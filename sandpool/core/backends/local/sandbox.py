@@ -14,12 +14,11 @@ from sandpool.core.agent import service
 from sandpool.core.agent.channel import PipeChannel
 from sandpool.core.agent.client import AgentClient
 from sandpool.core.agent.sandbox import AgentSandbox
-from sandpool.core.backends.local import (_agent_state, _fresh, _idmap, _oci, _overlay, _snapshot,
-                                          _snapshot_oci)
+from sandpool.core.backends.local import _agent_state, _fresh, _idmap, _oci, _overlay, _snapshot
 from sandpool.core.backends.local._bwrap import IMAGE_IN_SANDBOX, SCRATCH, SERVICE_DIR
 from sandpool.core.backends.local._cgroup import FIRST_COMMAND_WEIGHT, BudgetWatch, CgroupDriver
 from sandpool.core.backends.local._idrange import IdRange
-from sandpool.core.backends.local.image import LocalImage
+from sandpool.core.backends.local._layout import Layout
 from sandpool.core.images import OciImage
 from sandpool.core.service import ServiceStream, SocketStream
 from sandpool.core.snapshot import Snapshot
@@ -49,45 +48,46 @@ class LocalSandbox(AgentSandbox):
     private_ipc = True
     _service_cwd = SERVICE_DIR
 
-    def __init__(self, sid: str, image: LocalImage | OciImage, proc: asyncio.subprocess.Process,
-                 state_dir: Path, upper: Path | None = None) -> None:
+    def __init__(self, sid: str, proc: asyncio.subprocess.Process, lay: Layout) -> None:
+        image = lay.image
         self.id = sid
         self.image = image.name
-        #: The image's repo on the host (the lower side of :meth:`restore_repo`) and where the
-        #: agent sees it read-only; for OCI images set by the backend (a read-only view).
-        self._lower: str | None = None if isinstance(image, OciImage) else image.repo
-        self._image_in_sandbox = IMAGE_IN_SANDBOX
-        self._pins: dict[str, Path] = {}  # repo path -> host copy of its pinned pristine bytes
-        self._seen: dict[str, tuple[int, int, int]] = {}  # see _overlay.diff
         self.workdir = image.repo_dir if isinstance(image, OciImage) else image.workdir
         self.head = image.head
-        self.state_dir = state_dir
+        self.state_dir = lay.state
+        #: Its host paths (``_layout.Layout``): where its writes go (``disk``), its ``/tmp``
+        #: (``tmp_dir``, None: a tmpfs), the shared mount points of its repo (``merged``) and
+        #: ``/dev/shm`` (``shm``, None: bubblewrap's), and an OCI sandbox's root overlay
+        #: (``root``, ``root_upper``, ``lowers``) and its image's read-only view (``view``).
+        self.disk, self.tmp_dir, self.merged, self.shm = lay.disk, lay.tmp, lay.merged, lay.shm
+        self.root, self.root_upper, self.lowers, self.view = (lay.root, lay.root_upper, lay.lowers,
+                                                              lay.view)
+        #: The image's repo as the sandbox's range sees it (the lower side of
+        #: :meth:`restore_repo`), and where the agent sees it read-only; None: no overlay.
+        self._lower: str | None = str(lay.lower) if lay.lower is not None else None
+        self._image_in_sandbox = (_oci.IMAGE_IN_SANDBOX if isinstance(image, OciImage)
+                                  else IMAGE_IN_SANDBOX)
+        self._pins: dict[str, Path] = {}  # repo path -> host copy of its pinned pristine bytes
+        self._seen: dict[str, tuple[int, int, int]] = {}  # see _overlay.diff
         #: Host path of the service's directory (:data:`SERVICE_DIR`), or None without a service.
         self.service_dir: Path | None = None
         self.service_env: dict[str, str] = {}
-        #: Host path of the overlay's upper layer (what the rollout changed), for reset checks.
-        self.upper = upper
-        #: Whether a whole-repo restore swaps in a fresh upper layer (``_fresh``; image
-        #: directories) or restores paths in place (OCI: the root overlay cannot be swapped).
-        self.fresh_layers = False
-        self._work: Path | None = None  # the fresh upper's work dir; None: the base overlay
-        #: Host mount point bound at ``/dev/shm`` (image directories), or None (bubblewrap's).
-        self.shm: Path | None = None
+        #: Host path of the repo's upper layer (what the rollout changed), for reset checks;
+        #: None until the first fresh layer (``_fresh``) is mounted.
+        self.upper: Path | None = None
+        #: Whether a whole-repo restore swaps in a fresh upper layer (``_fresh``), or restores
+        #: the paths the rollout changed in place (what a restore of a part always does).
+        self.fresh_layers = True
+        self._work: Path | None = None  # the fresh upper's work dir
         #: The OCI image it runs, or None for an image directory.
         self.oci = image if isinstance(image, OciImage) else None
-        #: The overlay's lower directories, top first (OCI sandboxes; set by the backend).
-        self.lowers: list[Path] = []
         self._proc = proc
         #: The kernel's count of what exhausted the sandbox's own budget: whose a death is.
         self.budget: BudgetWatch | None = None
         #: The sandbox's own range of host ids (``_idrange``), released when it is deleted.
         self.ids: IdRange | None = None
-        #: Where its repo's overlay is mounted on the host (image directories).
-        self.merged = state_dir / "merged"
-        #: The image's repo directory on the host, as built (the image's identity).
-        self.image_repo = image.repo if isinstance(image, LocalImage) else ""
-        #: Host directory of its ``/tmp`` (on its quota filesystem), or None (a tmpfs).
-        self.tmp_dir: Path | None = None
+        #: The image's repo directory on the host, as built (an image directory's identity).
+        self.image_repo = ""
         #: Host pid of its pid 1 (the agent).
         self.init_pid = 0
         #: The agent's own scheduling, affinity, I/O priority, OOM score and core dump filter
@@ -95,9 +95,6 @@ class LocalSandbox(AgentSandbox):
         self._agent_fresh: _agent_state.AgentState | None = None
         #: The stacked overlay of a snapshot it was restored from, or None.
         self.stack: _snapshot.Stack | None = None
-        #: An OCI sandbox's merged root and its image's read-only view, on the host.
-        self.root: Path | None = None
-        self.view: Path | None = None
         #: The backend's snapshot store and freezer (set by the backend).
         self.snapshots: _snapshot.Store | None = None
         self.freezer = _no_freezer
@@ -150,40 +147,44 @@ class LocalSandbox(AgentSandbox):
             raise errors.SandboxStartError(f"sandbox {self.id} failed to start: {log.strip() or exc}") from None
 
     async def changes_outside_repo(self) -> list[tuple[str, str]] | None:
-        """For an OCI sandbox, what its upper layer holds outside the repo and ``/tmp`` (read
-        on the host, see ``_oci.changes_outside``); None for an image directory, whose only
-        writable places are the repo and ``/tmp``."""
-        if self.oci is None or self.upper is None:
+        """For an OCI sandbox, what its root's upper layer holds outside the repo and ``/tmp``
+        (read on the host, see ``_oci.changes_outside``); None for an image directory, whose
+        only writable places are the repo and ``/tmp``."""
+        if self.oci is None or self.root_upper is None:
             return None
-        return await asyncio.to_thread(_oci.changes_outside, self.upper, self.lowers,
+        return await asyncio.to_thread(_oci.changes_outside, self.root_upper, self.lowers,
                                        (self.workdir, "/tmp"))
 
     async def restore_repo(self, under: str = "", *, timeout: float = 60.0) -> list[str] | None:
         """Make the repo at or below ``under`` identical to the image's; see :meth:`Sandbox.restore_repo`.
 
-        The whole repo of an image directory (:attr:`fresh_layers`): a fresh upper layer is
-        swapped in (``_fresh``), so nothing physical of the rollout's writes (an
-        inode, its number, a directory's listing order, a used block) is left. Otherwise
-        (a part, e.g. ``.git`` for grading, or an OCI sandbox's repo): the overlay's upper
-        layer, read on the host, lists what the rollout changed (:func:`._overlay.diff`); the
-        agent copies those paths back from the image's repo (bind-mounted read-only) through
-        the merged view; then the upper layer is compared with the image again, on the host,
-        out of the policy's reach. Cost: O(paths changed).
+        The whole repo (:attr:`fresh_layers`): a fresh upper layer is swapped in (``_fresh``),
+        so nothing physical of the rollout's writes (an inode, its number, a directory's
+        listing order, a used block) is left. A part (e.g. ``.git`` for grading): the
+        overlay's upper layer, read on the host, lists what the rollout changed
+        (:func:`._overlay.diff`); the agent copies those paths back from the image's repo
+        (bind-mounted read-only) through the merged view; then the upper layer is compared
+        with the image again, on the host, out of the policy's reach (a restored sandbox's:
+        every path any of its layers holds, through the merged view). Cost: O(paths changed).
+        None for an OCI sandbox whose repo is no git checkout of its own (``_oci.repo_view``).
         """
-        if self._lower is None or self.upper is None:
+        if self._lower is None:
             return None  # no read-only view of the image's repo: the generic path instead
-        if self.stack is not None:
-            if not under.strip("/"):  # the whole repo: its own overlay, pristine, comes back
-                await _snapshot.unstack(self)
-            else:
-                return await self._restore_stacked(under, timeout)
-        if self.fresh_layers and not under.strip("/"):
-            return await asyncio.to_thread(self._fresh_upper)
-        upper = self._repo_upper()
         prefix = under.strip("/")
-        pins = {r: str(p) for r, p in self._pins.items()
-                if not prefix or r == prefix or r.startswith(prefix + "/")}
-        changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
+        if not prefix:
+            await _snapshot.unstack(self)  # a restored sandbox's own layer comes back
+            if self.fresh_layers or self.upper is None:
+                return await asyncio.to_thread(self._fresh_upper)
+        stacked, upper, lower = self.stack is not None, _snapshot.repo_upper(self), self._lower
+        pins = {} if stacked else {r: str(p) for r, p in self._pins.items()
+                                   if not prefix or r == prefix or r.startswith(prefix + "/")}
+
+        def diff() -> list[_overlay.Change]:
+            if stacked:
+                return _snapshot.stacked_changes(self, under)
+            return _overlay.diff(lower, upper, under, pins, self._seen)
+
+        changes = await asyncio.to_thread(diff)
         # A pin holds only below a directory the rollout left in place; where it replaced one
         # (``rm -rf .git``), the image's own file is the reference again until re-pinned.
         dropped = {r for r in pins for c in changes
@@ -192,7 +193,7 @@ class LocalSandbox(AgentSandbox):
             for r in dropped:
                 pins.pop(r)
                 self._pins.pop(r, None)
-            changes = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
+            changes = await asyncio.to_thread(diff)
         if not changes:
             return []
         pinned = {}
@@ -221,18 +222,18 @@ class LocalSandbox(AgentSandbox):
         if full:  # the restore could not write the image's files back: the rollout filled the disk
             raise errors.DiskQuotaExceeded(errno.ENOSPC, f"the restore from the image failed ({full}; "
                                            f"in sandbox {self.id})", under or ".")
-        left = await asyncio.to_thread(_overlay.diff, self._lower, upper, under, pins, self._seen)
+        left = await asyncio.to_thread(diff)
         return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
             f"restore failed: {m}" for m in msg.get("failed", [])][:20]
 
     def _fresh_upper(self) -> list[str]:
         """Swap in a fresh upper layer over the repo (``_fresh``); return what differs from
         the image after it, or why the swap failed (empty: pristine). Blocking."""
-        assert self._lower is not None and self.upper is not None
-        old = (self.upper, self._work) if self._work is not None else None
+        assert self._lower is not None
+        old = (self.upper, self._work) if self.upper is not None and self._work is not None else None
         try:
-            self.upper, self._work = _fresh.swap(Path(self._lower), old, self.upper.parent,
-                                                 self._pins, self.merged)
+            self.upper, self._work = _fresh.swap(Path(self._lower), old, self.disk, self._pins,
+                                                 self.merged)
         except OSError as exc:
             return [f"swapping in a fresh repo layer failed: {exc}"]
         self._seen.clear()
@@ -247,9 +248,12 @@ class LocalSandbox(AgentSandbox):
         return what failed (empty: done). Blocking; no process of a rollout may be left."""
         if self.shm is None or self.ids is None:
             return []
-        uid = self.ids.host(_idmap.SANDBOX_UID)
+        # As bubblewrap would make it: the sandbox user's; an OCI sandbox's is uid 0's and
+        # world-writable and sticky, as on any Linux host (a non-root User can use POSIX shm).
+        uid, mode = ((self.ids.base, "1777") if self.oci is not None else
+                     (self.ids.host(_idmap.SANDBOX_UID), "755"))
         try:
-            _fresh.tmpfs(self.shm, f"mode=755,uid={uid},gid={uid}")
+            _fresh.tmpfs(self.shm, f"mode={mode},uid={uid},gid={uid}")
         except OSError as exc:
             return [f"mounting a fresh /dev/shm failed: {exc}"]
         return [] if self._sees(self.shm, "/dev/shm") else ["the sandbox does not see its fresh /dev/shm"]
@@ -285,21 +289,6 @@ class LocalSandbox(AgentSandbox):
         rest = await super().restore_scratch(timeout=timeout)
         return None if rest is None else fresh + rest
 
-    async def _restore_stacked(self, under: str, timeout: float) -> list[str]:
-        # A restored sandbox: the paths any layer holds, compared through the merged view.
-        changes = await asyncio.to_thread(_snapshot.stacked_changes, self, under)
-        if not changes:
-            return []
-        msg = await self._restore_paths(self._image_in_sandbox, [[c.path, c.kind] for c in changes],
-                                        {}, timeout)
-        full = self._disk_full() if {errno.ENOSPC, errno.EDQUOT} & set(msg.get("errnos", [])) else None
-        if full:
-            raise errors.DiskQuotaExceeded(errno.ENOSPC, f"the restore from the image failed ({full}; "
-                                           f"in sandbox {self.id})", under)
-        left = await asyncio.to_thread(_snapshot.stacked_changes, self, under)
-        return [f"{c.path or '.'} differs from the image ({c.kind})" for c in left] + [
-            f"restore failed: {m}" for m in msg.get("failed", [])][:20]
-
     # -- snapshots (see _snapshot) ------------------------------------------------------------
 
     @property
@@ -318,28 +307,23 @@ class LocalSandbox(AgentSandbox):
         return self.snapshots
 
     async def snapshot(self) -> Snapshot:
-        """Take a snapshot of the repo and ``/tmp`` (an OCI sandbox: of its root's change set);
-        see :meth:`Sandbox.snapshot`, ``_snapshot`` and ``_snapshot_oci`` (its processes are
-        frozen meanwhile)."""
+        """Take a snapshot of the repo's layers and ``/tmp`` (an OCI sandbox: its root's change
+        set outside the repo); see :meth:`Sandbox.snapshot` and ``_snapshot`` (its processes
+        are frozen meanwhile)."""
         if not self.alive():
             raise errors.SandboxDied(f"sandbox {self.id} is gone: {self._agent.error}")
-        if self.oci is not None:
-            return await _snapshot_oci.capture(self, self._store())
         return await _snapshot.capture(self, self._store())
 
     async def load_snapshot(self, snap: Snapshot) -> None:
-        """Restore ``snap`` into this pristine sandbox: stack its layers (an OCI sandbox:
-        replay its change set); see :meth:`Sandbox.load_snapshot`."""
-        if self.oci is not None:
-            await _snapshot_oci.load(self, snap, self._store())
-            return
+        """Restore ``snap`` into this pristine sandbox: stack its layers under the repo, copy
+        in ``/tmp`` (an OCI sandbox: replay its change set outside the repo); see
+        :meth:`Sandbox.load_snapshot`."""
         await _snapshot.load(self, snap, self._store(), self.state_dir / "snap-views")
 
     async def state_hash(self) -> str:
         """The hash of the sandbox's state as a snapshot records it; see
         :meth:`Sandbox.state_hash`."""
-        mod = _snapshot_oci if self.oci is not None else _snapshot
-        return await asyncio.to_thread(mod.state_hash, self, self._store())
+        return await asyncio.to_thread(_snapshot.state_hash, self, self._store())
 
     def _disk_full(self) -> str | None:
         """Why the sandbox's quota filesystem is full, read on the host (the evidence that an
@@ -379,18 +363,13 @@ class LocalSandbox(AgentSandbox):
             raise errors.SandboxDied(f"sandbox {self.id} is gone: {self._agent.error}")
         return await _open_unix(self.service_dir / svc.spec.socket)
 
-    def _repo_upper(self) -> Path:
-        assert self.upper is not None
-        # An OCI sandbox's overlay is its whole root: the repo is one subtree of its upper.
-        return self.upper / self.workdir.lstrip("/") if self.oci is not None else self.upper
-
     async def pin_repo_state(self, paths: list[str]) -> None:
         """Take the current bytes of repo files ``paths`` as their pristine state; see
         :meth:`Sandbox.pin_repo_state`. A copy goes to the sandbox's host-side state
         directory, out of the policy's reach; a path that is not a plain file is unpinned."""
         if self._lower is None or self.upper is None or self.stack is not None:
             return
-        upper = self._repo_upper()
+        upper = self.upper
         pin_dir = self.state_dir / "pinned"
         pin_dir.mkdir(exist_ok=True)
         for rel in paths:
