@@ -13,13 +13,15 @@ and every figure is printed beside its baseline from the same run:
   same on a large image (the task's image plus ``--large-image-mb`` of files in its repo)
   shows the cost follows the change, not the image.
 * **suspend / resume**: the cgroup freezer, against a bare exec round trip.
-* **an OCI image** (``--oci``, the SWE-bench-shaped test image): fork vs replay again, where
-  a snapshot is the change set against the image and each child gets it replayed into its
-  own root (a copy of the bytes changed per child, not a stacked layer).
+* **an OCI image** (``--oci``, or ``--oci-only`` for this part alone; the SWE-bench-shaped
+  test image): fork vs replay again, at each of ``--sizes``. Its repo's layers are stacked as
+  an image directory's are; what changed outside the repo (little here) is replayed into each
+  child's root.
 
 The load average is printed with the figures (2 cores shared: compare ratios, not ms).
 
-    .venv/bin/python bench/fork.py [--repeats 10] [--sizes 1,100,1000] [--large-image-mb 1000] [--oci]
+    .venv/bin/python bench/fork.py [--repeats 10] [--sizes 1,100,1000] [--large-image-mb 1000]
+                                   [--oci | --oci-only]
 """
 
 from __future__ import annotations
@@ -135,6 +137,17 @@ def large_image(task: Task, extra_mb: int) -> tuple[Path, Task]:
     return root, task.model_copy(update={"image": name, "instance_id": task.instance_id + "-large"})
 
 
+async def fork_table(pool: SandboxPool, task: Task, sizes: list[int], repeats: int) -> None:
+    """Print fork vs a fresh claim + replaying a k-step prefix (k = 5, 20) at each size."""
+    for big in sizes:
+        for k in (5, 20):
+            r = await fork_vs_replay(pool, task, k, big, repeats)
+            print(_row(f"claim + replay {k} steps, {big} MB changed", r["replay"]))
+            print(_row(f"fork of it (first fork: {r['first_fork'] * 1000:.0f} ms)", r["fork"],
+                       _ms(r["replay"])))
+    print(f"  ({_load()})")
+
+
 def _row(label: str, xs: list[float], base: float | None = None) -> str:
     ratio = f"{base / _ms(xs):8.1f}x" if base else ""
     return f"  {label:<46} p50 {_ms(xs):9.1f} ms  p95 {_ms(xs, 0.95):9.1f} ms {ratio}"
@@ -146,22 +159,34 @@ async def main() -> None:
     ap.add_argument("--sizes", default="1,100,1000", help="MB changed, comma-separated")
     ap.add_argument("--large-image-mb", type=int, default=1000, help="MB added to the large image")
     ap.add_argument("--oci", action="store_true", help="also fork vs replay on the OCI test image")
+    ap.add_argument("--oci-only", action="store_true", help="only fork vs replay on the OCI test image")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
+    print(f"bench/fork.py: {args.repeats} repeats; {_load()}")
+    if not args.oci_only:
+        await image_dirs(args, sizes)
+    if args.oci or args.oci_only:
+        from sandpool.bench.workload import oci_tasks
+        from sandpool.core.images import ImageStore
+
+        store = ImageStore()
+        (oci,) = await asyncio.to_thread(oci_tasks, 1, store)
+        async with SandboxPool(LocalBackend(store=store), "reuse", PoolLimits(max_live=8)) as pool:
+            await pool.prepare([oci] * 4, 4)
+            print(f"\nfork vs a fresh claim + replaying the prefix on an OCI image ({oci.image}; "
+                  "the fork's speed-up at right)")
+            await fork_table(pool, oci, sizes, args.repeats)
+
+
+async def image_dirs(args: argparse.Namespace, sizes: list[int]) -> None:
+    """Every figure on the default pack's first task (an image directory)."""
     task = load_tasks(await abuild_default_pack())[0]
-    print(f"bench/fork.py: task {task.instance_id}, {args.repeats} repeats; {_load()}")
+    print(f"\nthe default pack's task {task.instance_id}")
     limits = PoolLimits(max_live=8)
     async with SandboxPool(LocalBackend(), "reuse", limits) as pool:
         await pool.prepare([task] * 4, 4)
         print("\nfork vs a fresh claim + replaying the prefix (the fork's speed-up at right)")
-        for big in (1, 100):
-            for k in (5, 20):
-                r = await fork_vs_replay(pool, task, k, big, args.repeats)
-                base = _ms(r["replay"])
-                what = f"{k} steps, {big} MB changed"
-                print(_row(f"claim + replay {what}", r["replay"]))
-                print(_row(f"fork of it (first fork: {r['first_fork'] * 1000:.0f} ms)", r["fork"], base))
-        print(f"  ({_load()})")
+        await fork_table(pool, task, [1, 100], args.repeats)
         print("\nsnapshot and restore vs bytes changed (one file), task image "
               f"({_du(task.image)} MB repo)")
         for mb in sizes:
@@ -184,21 +209,6 @@ async def main() -> None:
             print(_row(f"{mb} MB: snapshot, the change copied and hashed", r["cold"]))
             print(_row(f"{mb} MB: claim restored from it (stack + verify)", r["restore"]))
     print(f"  ({_load()})")
-    if args.oci:
-        from sandpool.bench.workload import oci_tasks
-        from sandpool.core.images import ImageStore
-
-        store = ImageStore()
-        (oci,) = await asyncio.to_thread(oci_tasks, 1, store)
-        async with SandboxPool(LocalBackend(store=store), "reuse", limits) as pool:
-            await pool.prepare([oci] * 4, 4)
-            print(f"\nfork vs a fresh claim + replaying the prefix on an OCI image ({oci.image})")
-            for big in [s for s in sizes if s <= 100]:
-                r = await fork_vs_replay(pool, oci, 20, big, args.repeats)
-                print(_row(f"claim + replay 20 steps, {big} MB changed", r["replay"]))
-                print(_row(f"fork of it (first fork: {r['first_fork'] * 1000:.0f} ms)", r["fork"],
-                           _ms(r["replay"])))
-        print(f"  ({_load()})")
 
 
 def _du(image: str) -> int:
