@@ -18,6 +18,9 @@ The sandbox given to :func:`grade_patch` must be pristine at ``task.base_commit`
 in-place reset, :meth:`~sandpool.core.pool.Lease.reset`, or a fresh claim): nothing the
 policy did reaches it but the patch.
 
+Every harness runs with the image's interpreter (:mod:`~sandpool.envs.grading.interpreter`:
+``python3`` where the image has no ``python``).
+
 What is evidence of a broken task (:class:`~sandpool.core.errors.BrokenTaskError`, the task
 rejected, never a reward) rather than of the patch: the image has no Python, or the isolated
 run could not import pytest (it says so before any of the repo's code runs); the test patch
@@ -41,6 +44,7 @@ from sandpool.core.reset import SAFE_GIT
 from sandpool.core.task import Task
 from sandpool.core.telemetry import traced
 from sandpool.envs.grading.harness import TestPlan, plan_for
+from sandpool.envs.grading.interpreter import ACTIVATE, FIND_PYTHON, commands_on_path
 from sandpool.envs.grading.policy import MAX_PATCH_BYTES, check_patch, counted_as_tests
 from sandpool.envs.grading.pytest_log import pytest_env
 from sandpool.envs.grading.verdict import MAX_LOG_BYTES, GradeResult, score_run, unresolved
@@ -50,11 +54,6 @@ __all__ = ["MAX_REPORT_BYTES", "grade_patch"]
 #: Cap on the signed report read back from the sandbox; a larger one scores 0.
 MAX_REPORT_BYTES = 16 << 20
 _SIDE = Path(__file__).with_name("sandbox_side")
-#: The interpreter: the SWE-bench env's, else the image's ``python3``, else its ``python``.
-_FIND_PYTHON = ('PY=; for p in /opt/miniconda3/envs/testbed/bin/python "$(command -v python3)" '
-                '"$(command -v python)"; do [ -n "$p" ] && [ -x "$p" ] && PY="$p" && break; done')
-_ACTIVATE = ("if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate "
-             "&& conda activate testbed; fi")
 _ENV_VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PATCH_FAILED, _TEST_PATCH_FAILED, _NO_PYTHON = 10, 11, 12
 _STARTED = "@@sandpool-runner-started"  # sandbox_side/runner.py's STARTED
@@ -81,14 +80,16 @@ def _pytest_argv(command: str) -> tuple[list[str], bool, dict[str, str]] | None:
 
 def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: list[str],
                     test_dirs: list[str]) -> str:
-    """Apply the patch, reset the test files, apply the test patch, find Python, keep the
-    harness's environment.
+    """Find the image's Python (before the patch: nothing of it can hide one), apply the patch,
+    reset the test files, apply the test patch, keep the harness's environment.
 
     Runs only the harness's own commands and git on the pristine repo (its ``.git`` is the
     image's): nothing of the repo's code runs yet.
     """
     base = shlex.quote(task.base_commit)
-    lines = ["set -u", f"cd {shlex.quote(task.workdir)} || exit 120", _ACTIVATE, *plan.prelude]
+    lines = ["set -u", f"cd {shlex.quote(task.workdir)} || exit 120", ACTIVATE, FIND_PYTHON,
+             f'[ -n "$PY" ] || {{ echo "no python3 or python on PATH=$PATH"; exit {_NO_PYTHON}; }}',
+             commands_on_path(f"{d}/bin"), *plan.prelude]
     if patch:
         lines.append(f"{SAFE_GIT} apply -v --whitespace=nowarn {d}/patch.diff > {d}/apply.log 2>&1 || "
                      f"{{ tail -c 2000 {d}/apply.log; exit {_PATCH_FAILED}; }}")
@@ -108,8 +109,6 @@ def _prepare_script(task: Task, plan: TestPlan, d: str, *, patch: bool, files: l
     lines.append(f"find . -path ./.git -prune -o -type f \\( -name 'test_*.py' -o -name '*_test.py' "
                  f"-o -name conftest.py {dirs} \\) -print0 | xargs -0 -r sha256sum -- > {d}/tests.sha256")
     lines += [
-        _FIND_PYTHON,
-        f'[ -n "$PY" ] || {{ echo "no python3 or python on PATH=$PATH"; exit {_NO_PYTHON}; }}',
         f"env -0 > {d}/env.all",
         f"grep -zv -e '^PYTHON' -e '^PYTEST_ADDOPTS=' -e '^PYTEST_PLUGINS=' -e '^SANDPOOL_' "
         f"{d}/env.all > {d}/env.clean",

@@ -15,7 +15,9 @@ Usage::
 
 A transport failure while grading (the sandbox died, the command channel broke) raises the
 :class:`~sandpool.core.errors.InfraError` unchanged, and a task that cannot be graded as given
-raises :class:`~sandpool.core.errors.BrokenTaskError`: neither is ever scored as 0.
+raises :class:`~sandpool.core.errors.BrokenTaskError`: neither is ever scored as 0. The test
+command runs with the image's interpreter (:mod:`~sandpool.envs.grading.interpreter`:
+``python3`` where there is no ``python``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from sandpool.core.reset import restore_git_metadata
 from sandpool.core.task import Task
 from sandpool.core.telemetry import traced
 from sandpool.envs.grading.harness import TestPlan, plan_for
+from sandpool.envs.grading.interpreter import ACTIVATE, FIND_PYTHON, commands_on_path
 from sandpool.envs.grading.pytest_log import pytest_env
 from sandpool.envs.grading.verdict import (
     MAX_LOG_BYTES,
@@ -53,11 +56,6 @@ class _Execs(Protocol):
 
 
 _SIDE = Path(__file__).with_name("sandbox_side")
-#: The interpreter grading's helper runs with: the SWE-bench env's, else the image's python.
-_FIND_PYTHON = ('for p in /opt/miniconda3/envs/testbed/bin/python "$(command -v python3)" '
-                '"$(command -v python)"; do [ -x "$p" ] && PY="$p" && break; done; ')
-_ACTIVATE = ("if [ -f /opt/miniconda3/bin/activate ]; then source /opt/miniconda3/bin/activate "
-             "&& conda activate testbed; fi")
 
 
 async def _restore_git(sandbox: _Execs) -> None:
@@ -122,7 +120,7 @@ async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> Grade
     if plan.test_patch:
         await sandbox.write_file(f"{d}/test.patch", plan.test_patch.encode())
     try:
-        res = await sandbox.exec(f"{_FIND_PYTHON}cd {shlex.quote(wd)} && \"$PY\" -I -S {d}/prepare.py {d}/job.json",
+        res = await sandbox.exec(f"{FIND_PYTHON}; cd {shlex.quote(wd)} && \"$PY\" -I -S {d}/prepare.py {d}/job.json",
                                  timeout=300.0, cwd=wd)
         try:
             prep = json.loads(res.text.strip().splitlines()[-1])
@@ -167,8 +165,8 @@ async def grade(sandbox: _Execs, task: Task, *, timeout: float = 300.0) -> Grade
 
 
 def _test_script(plan: TestPlan, wd: str, d: str, module: str) -> str:
-    lines = [f"cd {shlex.quote(wd)}", _ACTIVATE, *plan.prelude, "unset PYTEST_PLUGINS PYTEST_ADDOPTS",
-             "export PYTHONNOUSERSITE=1"]
+    lines = [f"cd {shlex.quote(wd)}", ACTIVATE, FIND_PYTHON, commands_on_path(f"{d}/bin"), *plan.prelude,
+             "unset PYTEST_PLUGINS PYTEST_ADDOPTS", "export PYTHONNOUSERSITE=1"]
     if plan.pytest:
         lines += [f"export PYTHONPATH={d}${{PYTHONPATH:+:$PYTHONPATH}}",
                   f"export PYTEST_ADDOPTS='-p {module}'",

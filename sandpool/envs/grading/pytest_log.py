@@ -129,7 +129,9 @@ def pytest_command(paths: Iterable[str] = ()) -> str:
 
     The command is ``python -m pytest -rA --tb=no -p no:cacheprovider --color=no <paths>``:
     ``-rA`` prints one summary line per test (what :func:`parse_test_log` reads), and no
-    cache or colour is written. Run it with :func:`pytest_env` as the environment.
+    cache or colour is written. Run it with :func:`pytest_env` as the environment. The
+    graders run it with the image's interpreter, whatever its name
+    (:mod:`~sandpool.envs.grading.interpreter`: ``python3`` where there is no ``python``).
 
     Args:
         paths: Test files or node ids, relative to the workdir; empty runs the whole suite
