@@ -17,7 +17,9 @@ left unhandled) while it acts or its change is captured
 infra (``InfraError``, a host ``OSError``, an error       ``infra_failed``  None
 sandpool does not know), after the accountant's retries
 the input's (``InputError``: a bad row, an unknown        ``rejected``      None
-image, a base commit not in it, a broken task)
+image, a base commit not in it, a broken task, e.g. one
+whose tests run neither on the pristine repo nor with
+its gold patch)
 ========================================================  ================  =======
 
 A file errno on the policy's path in one guarded action ends nothing (:func:`ends_rollout`):

@@ -7,7 +7,10 @@ Modules, in the order a rollout meets them:
 * :mod:`~sandpool.envs.grading.patch`, :mod:`~sandpool.envs.grading.policy`: the patch read as
   git reads it, and the patch policy it must pass before it is applied;
 * :mod:`~sandpool.envs.grading.diff`: the patch applied in a pristine sandbox and the tests run
-  there in an isolated process (``sandbox_side/runner.py``);
+  there in an isolated process (``sandbox_side/runner.py``), with the image's interpreter
+  (:mod:`~sandpool.envs.grading.interpreter`);
+* :mod:`~sandpool.envs.grading.runnable`: whether the task's tests run at all, on pristine
+  sandboxes, when a graded run ran none of them (else the task is rejected);
 * :mod:`~sandpool.envs.grading.harness`: each dataset's harness as a test plan (what runs,
   which files are reset, how the log is parsed and scored);
 * :mod:`~sandpool.envs.grading.pytest_log`: pytest's ``-rA`` log, read as SWE-bench reads it;

@@ -22,12 +22,14 @@ Every harness runs with the image's interpreter (:mod:`~sandpool.envs.grading.in
 ``python3`` where the image has no ``python``).
 
 What is evidence of a broken task (:class:`~sandpool.core.errors.BrokenTaskError`, the task
-rejected, never a reward) rather than of the patch: the image has no Python, or the isolated
-run could not import pytest (it says so before any of the repo's code runs); the test patch
-does not apply to ``base_commit``. A run in which none of the task's tests ran is not: the
-base's own bug can stop collection (a conftest that imports the broken module), and the
-policy's code can exit early on purpose. Validation decides that one with the gold patch
-(:mod:`sandpool.envs.grading.validate`), before any rollout is scored.
+rejected, never a reward), found before the patch is applied: the image has no Python; the
+test patch does not apply to ``base_commit``. A run in which none of the task's tests ran
+(``GradeResult.ran == 0``: the test command could not start, with ``not_run`` saying why when
+the image's Python could not import pytest, or it collected none of them) is not, by
+itself: the patch can break collection (or its code exit early) on purpose, and the base's
+own bug can stop collection. Whether the tests run at all is decided on pristine sandboxes
+(:mod:`~sandpool.envs.grading.runnable`; validation's gold and empty runs), never on the
+policy's run.
 """
 
 from __future__ import annotations
@@ -164,7 +166,9 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
     Returns:
         The :class:`~sandpool.envs.grading.verdict.GradeResult`. A refused patch has
         ``refused`` set; a patch that does not apply, an oversized log or report has
-        ``error`` set; evidence of a forged pass is in ``tampering``. All score 0.
+        ``error`` set; evidence of a forged pass is in ``tampering``; a run in which none of
+        the task's tests ran has ``ran == 0`` (and ``not_run`` when pytest could not start).
+        All score 0.
 
     Raises:
         BrokenTaskError: The task cannot be graded as given (see the module docstring).
@@ -224,9 +228,11 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
                              max_output=MAX_LOG_BYTES)
     log = res.text + ("\n" + res.err_text if res.stderr else "")
     if isolated and not res.timed_out and _STARTED not in res.text[:4096]:
-        # Nothing of the repo's had run yet: the image's Python cannot run the harness.
-        raise _broken(task, f"the image's Python cannot run pytest (exit {res.exit_code}): "
-                            f"{res.err_text.strip()[-400:]}")
+        # Nothing of the repo's ran, but the patch was applied: a pristine run says whose.
+        return unresolved(task, harness=plan.harness, neutralised=reset, exit_code=res.exit_code,
+                          duration_s=res.duration_s, log=log[-(64 << 10):], ran=0, not_run=(
+                              f"the image's Python ({python}) cannot run pytest (exit {res.exit_code}): "
+                              f"{res.err_text.strip()[-400:]}"))
     log = "\n".join(ln for ln in log.split("\n") if not ln.startswith(_STARTED))
     target = getattr(sandbox, "sandbox", sandbox)
     if hasattr(target, "kill_strays"):

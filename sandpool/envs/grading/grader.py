@@ -5,7 +5,9 @@
 ``lease.reset()`` (a verified in-place reset, or a fresh sandbox under the same lease), then
 :meth:`DiffGrader.score` on that pristine sandbox. What happens in each step is in
 :mod:`~sandpool.envs.grading.capture`, :mod:`~sandpool.envs.grading.policy` and
-:mod:`~sandpool.envs.grading.diff`.
+:mod:`~sandpool.envs.grading.diff`. A run in which none of the task's tests ran is checked
+against pristine runs of the task (:mod:`~sandpool.envs.grading.runnable`, once per task):
+the task is rejected when they run none either, and the run scored 0 when they do.
 
 Usage::
 
@@ -19,10 +21,12 @@ from __future__ import annotations
 
 from sandpool.core import errors
 from sandpool.core.outcome import Score
+from sandpool.core.pool import Lease
 from sandpool.core.task import Task
 from sandpool.envs.grading.capture import capture_patch
 from sandpool.envs.grading.diff import grade_patch
 from sandpool.envs.grading.policy import MAX_PATCH_BYTES
+from sandpool.envs.grading.runnable import RunnableCheck
 from sandpool.envs.grading.verdict import GradeResult
 
 __all__ = ["DiffGrader", "score_of"]
@@ -33,9 +37,10 @@ def score_of(result: GradeResult) -> Score:
 
     A patch the policy refuses (kind ``patch_policy``), suspected tampering (kind
     ``tampering_suspected``) and a patch that broke its own grading (kind ``grading``: it does
-    not apply, its code wrote a log or report over the cap) are the submission's failure:
-    ``task_failed``, reward 0, the reason kept. A test run that timed out, or tests that
-    fail, are a plain 0.
+    not apply, its code wrote a log or report over the cap, pytest could not start with it
+    on a sound image) are the submission's failure: ``task_failed``, reward 0, the reason
+    kept. A test run that timed out, tests that fail, or none of the task's tests collected
+    (on a sound task), are a plain 0.
     """
     if result.refused:
         return Score(0.0, failure="patch refused: " + "; ".join(result.refused),
@@ -45,11 +50,17 @@ def score_of(result: GradeResult) -> Score:
                      kind=errors.TamperingSuspected.kind, detail=result)
     if result.error:
         return Score(0.0, failure=f"grading: {result.error}", kind="grading", detail=result)
+    if result.not_run:
+        return Score(0.0, failure=f"grading: the tests could not start with the patch applied: "
+                                  f"{result.not_run}", kind="grading", detail=result)
     return Score(float(result.reward), detail=result)
 
 
 class DiffGrader:
     """Grades the policy's change to the repo as a patch, in a pristine sandbox.
+
+    Attributes:
+        runnable: Which tasks' tests run at all, checked once per task on pristine sandboxes.
 
     Args:
         timeout: Seconds the task's tests may run (expiry scores 0).
@@ -64,6 +75,7 @@ class DiffGrader:
         self.timeout = timeout
         self.max_patch_bytes = max_patch_bytes
         self.capture_timeout = capture_timeout
+        self.runnable = RunnableCheck(timeout)
 
     async def capture(self, lease, task: Task) -> bytes:
         """The policy's change to the repo as a patch; see :func:`capture_patch`.
@@ -78,10 +90,18 @@ class DiffGrader:
     async def score(self, sandbox, task: Task, patch: bytes) -> Score:
         """Score ``patch`` on ``sandbox``, pristine at ``task.base_commit``; see :func:`grade_patch`.
 
+        When none of the task's tests ran, ``sandbox`` (a pool lease: its ``reset()`` makes it
+        pristine again) is used to check, once per task, that they run with no patch or with
+        the gold patch (:class:`~sandpool.envs.grading.runnable.RunnableCheck`); a sandbox
+        that cannot be reset is not used for that, and such a run is scored 0.
+
         Raises:
-            BrokenTaskError: The task cannot be graded as given (rejected, never scored).
+            BrokenTaskError: The task cannot be graded as given (rejected, never scored),
+                e.g. its tests run neither on the pristine repo nor with the gold patch.
             InfraError: The sandbox failed (scored again on another one).
         """
         result = await grade_patch(sandbox, task, patch, timeout=self.timeout,
                                    max_patch_bytes=self.max_patch_bytes)
+        if result.ran == 0 and isinstance(sandbox, Lease):
+            await self.runnable.ensure(sandbox, task, pristine=None if patch else result)
         return score_of(result)

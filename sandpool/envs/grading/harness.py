@@ -64,6 +64,9 @@ class TestPlan:
         score: The harness's verdict: status map -> ``(resolved, failed_f2p, failed_p2p)``.
         id_of: Maps a pytest node id to the harness's test id (for cross-checks).
         pytest: True when ``command`` runs pytest, so the signed verdict report applies.
+        tests: The harness's ids of the tests whose results decide the task (the
+            FAIL_TO_PASS / PASS_TO_PASS ids it scores; R2E-Gym's ``expected_output_json``
+            keys): a run that reports none of them ran none of the task's tests.
         source: Where the rules come from, for reports.
     """
 
@@ -79,6 +82,7 @@ class TestPlan:
     test_patch: str = ""
     id_of: Callable[[str], str] = field(default=lambda nodeid: nodeid)
     pytest: bool = True
+    tests: tuple[str, ...] = ()
     source: str = ""
 
 
@@ -180,6 +184,7 @@ def _swebench_plan(task: Task) -> TestPlan:
         restore=tuple(reset_files(task.test_patch)),
         test_patch=task.test_patch, parse=lambda log: parser(log, spec_ns), score=score,
         pytest=bool(re.search(r"(^|\s)pytest(\s|$)", test_cmd)),
+        tests=tuple(task.FAIL_TO_PASS) + tuple(task.PASS_TO_PASS),
         source=f"swebench {SWEBENCH_VERSION} (harness.constants, test_spec.python, log_parsers, grading)")
 
 
@@ -214,6 +219,7 @@ def _swesmith_plan(task: Task) -> TestPlan:
     return TestPlan(harness="swe-smith", command=" ".join([_SWESMITH_TEST_CMD, *map(shlex.quote, files)]),
                     parse=_parse_pytest_verbose, score=score, test_patch=task.test_patch,
                     restore=tuple(dict.fromkeys([*reset_files(task.test_patch), *files])),
+                    tests=f2p + p2p,
                     source="SWE-smith swesmith/harness/grading.py + utils.py (read from its repository)")
 
 
@@ -263,6 +269,7 @@ def _r2e_plan(task: Task) -> TestPlan:
                  f"if [ -d /root/r2e_tests ]; then ln -s /root/r2e_tests {wd}/r2e_tests; "
                  f"elif [ -d /r2e_tests ]; then ln -s /r2e_tests {wd}/r2e_tests; fi"),
         command="bash /root/run_tests.sh", parse=_parse_r2e, score=score, id_of=_r2e_key,
+        tests=tuple(expected),
         source="R2E-Gym agenthub/runtime/docker.py _calculate_reward_r2e (read from its repository)")
 
 
@@ -286,7 +293,7 @@ def _pytest_plan(task: Task) -> TestPlan:
                     required=tuple(f for f in files if f not in added),
                     test_patch=task.test_patch,
                     parse=lambda log: {k: v.value for k, v in parse_test_log(log).items()},
-                    score=score, source="sandpool task pack (pytest -rA, every listed test PASSED/XFAIL)")
+                    score=score, tests=f2p + p2p, source="sandpool task pack (pytest -rA, every listed test PASSED/XFAIL)")
 
 
 # -- patches -----------------------------------------------------------------------------------

@@ -17,7 +17,10 @@ A transport failure while grading (the sandbox died, the command channel broke) 
 :class:`~sandpool.core.errors.InfraError` unchanged, and a task that cannot be graded as given
 raises :class:`~sandpool.core.errors.BrokenTaskError`: neither is ever scored as 0. The test
 command runs with the image's interpreter (:mod:`~sandpool.envs.grading.interpreter`:
-``python3`` where there is no ``python``).
+``python3`` where there is no ``python``). A run in which none of the task's tests ran has
+``ran == 0`` and scores 0 here: the sandbox is the policy's, so whether the task's tests run
+at all can only be checked on a pristine one (:mod:`~sandpool.envs.grading.runnable`, which
+the diff grader does).
 """
 
 from __future__ import annotations

@@ -6,11 +6,14 @@ isolated test run). A task passes when gold resolves it and empty does not. It i
 the patch policy refuses its gold patch (so no honest fix is ever refused), when gold does
 not resolve it, when the empty patch does (SWE-bench issue 586: tasks whose FAIL_TO_PASS
 already pass at base), or when grading finds the task itself broken (a test patch that does
-not apply to base, an image that cannot run its tests, no listed test ran on the pristine
-tree). The reason names which FAIL_TO_PASS / PASS_TO_PASS tests failed or were absent from
-the log, and why a test can be absent. A task whose verdict is broken is graded once more:
-when that passes, the task is still broken, as ``flaky``. Infra failures say nothing about
-the task: it is reported as not validated, never called broken.
+not apply to base, an image without Python). When none of the task's tests ran either with
+the gold patch or with the empty one (the test command could not start on the image, or
+collected none of them), the reason says so, as the diff grader's check of a rollout does
+(:func:`~sandpool.envs.grading.runnable.cannot_run`). Otherwise the reason names which
+FAIL_TO_PASS / PASS_TO_PASS tests failed or were absent from the log, and why a test can be
+absent. A task whose verdict is broken is graded once more: when that passes, the task is
+still broken, as ``flaky``. Infra failures say nothing about the task: it is reported as not
+validated, never called broken.
 
 :class:`ValidationCache` keeps verdicts per (task, image digest, :data:`VALIDATION_VERSION`)
 under ``sandpool_home()``, so ``sandpool run`` validates each task once (:func:`validated`).
@@ -40,13 +43,14 @@ from sandpool.core.strategies import get_strategy
 from sandpool.core.task import Task
 from sandpool.envs.grading.diff import grade_patch
 from sandpool.envs.grading.harness import plan_for
+from sandpool.envs.grading.runnable import GOLD, PRISTINE, cannot_run
 from sandpool.envs.grading.verdict import GradeResult
 
 __all__ = ["VALIDATION_VERSION", "TaskVerdict", "ValidationCache", "ValidationResult", "explain",
            "validate_tasks", "validated"]
 
 #: Bump when grading changes what a verdict means; cached validations are keyed by it.
-VALIDATION_VERSION = 4
+VALIDATION_VERSION = 5
 _SHOWN = 5  # test ids named per list in a reason
 
 
@@ -125,6 +129,8 @@ def explain(task: Task, result: GradeResult) -> str:
         return "the patch policy refuses it: " + "; ".join(result.refused)
     if result.error:
         return result.error
+    if result.not_run:
+        return result.not_run
     if result.tampering:
         return "grading found a forged pass: " + "; ".join(result.tampering)
     if result.timed_out:
@@ -179,6 +185,9 @@ async def _verdict(pool: SandboxPool, task: Task, *, timeout: float, retries: in
         return TaskVerdict(tid, "not_validated", None, None, f"infra: {exc}")
     except errors.InputError as exc:  # a broken task, a missing image, a base commit not in it
         return TaskVerdict(tid, "broken", None, None, str(exc))
+    if gold.ran == 0 and empty.ran == 0:
+        return TaskVerdict(tid, "broken", gold.reward, empty.reward,
+                           cannot_run(task, [(PRISTINE, empty), (GOLD, gold)]))
     reasons = []
     if empty.reward != 0.0:
         reasons.append("the empty patch resolves it (FAIL_TO_PASS already pass at base)")

@@ -253,6 +253,15 @@ class GradeResult:
         failed_p2p: The PASS_TO_PASS ids that did not pass, in task order.
         absent: The listed ids (of either list) the log does not mention at all: never run
             or never collected.
+        ran: How many of the tests that decide the task (:attr:`TestPlan.tests
+            <sandpool.envs.grading.harness.TestPlan.tests>`) the log or the signed report
+            gives a result for; 0: none of them ran (the test command could not start, or
+            collected none of them), and the run is never resolved. ``None`` when the tests
+            were not run to the end (a refused patch, a timeout, a cut log).
+        not_run: Why the test command could not start when the sandbox had the patch
+            applied (the image's Python could not import pytest). Whose fault it is, the
+            patch's or the image's, only a pristine run can say
+            (:mod:`~sandpool.envs.grading.runnable`).
         timed_out: True when the test command hit its timeout (scored 0: the policy's code
             hung, e.g. an infinite loop).
         error: Why the tests could not run as the harness runs them, when the policy's state
@@ -279,6 +288,8 @@ class GradeResult:
     failed_f2p: tuple[str, ...] = ()
     failed_p2p: tuple[str, ...] = ()
     absent: tuple[str, ...] = ()
+    ran: int | None = None
+    not_run: str | None = None
     timed_out: bool = False
     error: str | None = None
     tampering: tuple[str, ...] = ()
@@ -315,7 +326,8 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
 
     Returns:
         The :class:`GradeResult`: resolved only when the harness's rule holds on the log and on
-        the signed report and no evidence of tampering was found.
+        the signed report, at least one of the tests that decide the task ran, and no
+        evidence of tampering was found.
     """
     f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
     common = {"harness": plan.harness, "neutralised": neutral, "exit_code": res.exit_code,
@@ -325,9 +337,11 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
     status = plan.parse(log)
     resolved, failed_f2p, failed_p2p = plan.score(status)
     common["absent"] = tuple(t for t in f2p + p2p if t not in status)
+    seen = set(status)
     evidence = list(suspicious)
     if plan.pytest:
         rep = read_signed_report(report, key)
+        seen.update(plan.id_of(nodeid) for nodeid in rep.statuses)
         evidence += cross_check(rep, log=log, log_status=status, exit_code=res.exit_code,
                                 tests=f2p + p2p, id_of=plan.id_of)
         if rep.sealed:
@@ -343,6 +357,9 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
     else:
         evidence += runner_check(log, res.exit_code, resolved_by_log=resolved,
                                  runner=RUNNERS.get(task.repo, ""))
+    common["ran"] = sum(t in seen for t in plan.tests)
+    if not common["ran"] and resolved:  # a harness rule that counts an absent test as passed
+        resolved, failed_f2p, failed_p2p = False, f2p, p2p
     if evidence:
         return unresolved(task, tampering=tuple(evidence), **common)
     return GradeResult(
