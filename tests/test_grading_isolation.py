@@ -4,7 +4,8 @@ The isolated run must import nothing of the repo's before pytest and the verdict
 keep the per-run key out of the code under test's reach; a test patch that adds a test file
 must grade (case 001); printed PASSED lines must not (case 002); an image without ``python``
 must be graded with the interpreter it has, and an image that cannot run the tests at all
-must reject the task, never score it 0 (case 006).
+must reject the task, never score it 0 (case 006; on OCI images in
+``test_tests_cannot_start.py``).
 """
 
 from __future__ import annotations
@@ -220,42 +221,62 @@ def no_pytest_task(test_images_root, calc_task) -> Task:
     return calc_task.model_copy(update={"image": name})
 
 
-async def test_an_image_without_python_grades_with_python3_where_in_place_scored_everything_0(
-        test_images_root, python3_only):
+async def test_an_image_without_python_grades_with_python3_in_place_and_by_diff(test_images_root, python3_only):
     store, task = python3_only
     backend = LocalBackend(test_images_root, store=store)
     await backend.preflight()
     try:
-        sb = await _at_base(backend, task)
-        try:
-            assert (await sb.exec("command -v python", timeout=10)).exit_code == 1
-            await _gold(sb, task)
-            in_place = await grade(sb, task, timeout=120)
-        finally:
-            await backend.delete(sb)
-        assert (in_place.reward, in_place.exit_code) == (0.0, 127), "in place, even the gold patch scored 0"
+        in_place = []
+        for act in (lambda sb: _gold(sb, task), _noop):
+            sb = await _at_base(backend, task)
+            try:
+                assert (await sb.exec("command -v python", timeout=10)).exit_code == 1
+                await act(sb)
+                in_place.append(await grade(sb, task, timeout=120))
+            finally:
+                await backend.delete(sb)
         _, gold = await _rollout(backend, task, lambda sb: _gold(sb, task))
         _, empty = await _rollout(backend, task, _noop)
     finally:
         await backend.aclose()
+    assert [r.reward for r in in_place] == [1.0, 0.0], in_place[0].log[-2000:]
+    assert "command not found" not in in_place[1].log and in_place[1].ran == 2
     assert (gold.reward, empty.reward) == (1.0, 0.0), gold.log[-2000:]
 
 
-async def test_an_image_that_cannot_run_the_tests_rejects_the_task_for_every_patch(local_backend, no_pytest_task):
+async def _accountant(backend, task: Task, episode):
+    from sandpool.core.pool import SandboxPool
+    from sandpool.core.rollout import run_rollout
+    from sandpool.envs.grading.grader import DiffGrader
+
+    async with SandboxPool(backend, "reuse") as pool:
+        return await run_rollout(pool, task, episode, grader=DiffGrader(timeout=120), retries=0)
+
+
+async def test_an_image_that_cannot_run_pytest_says_so_and_the_accountant_rejects_the_task(
+        local_backend, test_images_root, no_pytest_task):
     task = no_pytest_task
     for act in (lambda sb: _gold(sb, task), _noop):
-        with pytest.raises(errors.BrokenTaskError, match="cannot run pytest"):
-            await _rollout(local_backend, task, act)
+        _, result = await _rollout(local_backend, task, act)  # the patch applied: it says why, no more
+        assert (result.reward, result.ran) == (0.0, 0) and "cannot run pytest" in (result.not_run or "")
+    result = await _accountant(LocalBackend(test_images_root), task, lambda lease: _gold(lease, task))
+    assert (result.outcome.value, result.reward, result.error_kind) == ("rejected", None, "broken_task")
+    assert "none of its tests ran" in result.error and "cannot run pytest" in result.error, result.error
 
 
-async def test_a_run_where_no_listed_test_ran_scores_0_and_is_left_to_validation(local_backend, calc_task):
+async def test_a_run_where_no_listed_test_ran_scores_0_and_pristine_runs_decide_it_is_broken(
+        local_backend, test_images_root, calc_task):
     # The base's own bug can stop collection, and the policy's code can exit on purpose: a
-    # rollout's run is never evidence of a broken task; validation's gold run decides.
+    # rollout's run is never evidence of a broken task by itself; runs with no patch and with
+    # the gold patch, on pristine sandboxes, decide.
     task = calc_task.model_copy(update={"FAIL_TO_PASS": ["test_gone.py::test_add"]})
     _, empty = await _rollout(local_backend, task, _noop)
     _, gold = await _rollout(local_backend, task, lambda sb: _gold(sb, task))
-    assert (empty.reward, gold.reward) == (0.0, 0.0)
+    assert (empty.reward, gold.reward, empty.ran, gold.ran) == (0.0, 0.0, 0, 0)
     assert set(gold.absent) == {"test_gone.py::test_add", "test_calc.py::test_zero"}
+    result = await _accountant(LocalBackend(test_images_root), task, lambda lease: _gold(lease, task))
+    assert (result.outcome.value, result.reward) == ("rejected", None), result
+    assert "none of its tests ran" in result.error and "test_gone.py" in result.error, result.error
 
 
 # -- capture: what the policy left can only fail its own rollout -------------------------------
