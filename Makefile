@@ -64,8 +64,14 @@ run: sysdeps venv
 	$(VENV)/bin/sandpool run $(RUN_ARGS)
 
 ## The test suite: unit, real bubblewrap sandboxes, the local Kubernetes cluster, integrations.
-test: sysdeps dockerdeps venv cluster-build
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+## The integration sessions' venvs (pip downloads) build in the background meanwhile: on a cold
+## machine they overlap the cluster's compile and the main suite instead of following them.
+test: sysdeps dockerdeps venv
+	@mkdir -p reports; $(VENV)/bin/nox -s venvs > reports/venvs.log 2>&1 & vp=$$!; \
+	  $(MAKE) --no-print-directory cluster-build && $(VENV)/bin/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	  wait $$vp; vrc=$$?; [ $$vrc = 0 ] || { tail -40 reports/venvs.log; \
+	    echo "building the integration venvs failed: see reports/venvs.log"; }; \
+	  [ $$rc = 0 ] && [ $$vrc = 0 ]
 	$(VENV)/bin/nox -s nemo_gym-0.4 nemo_gym-0.7
 	$(VENV)/bin/nox -s openhands openhands_app
 	$(VENV)/bin/nox -s swebench_harness

@@ -18,6 +18,9 @@ README's install path is the one that resolves here (Python 3.12, nemo-gym 0.4.0
 starts and stops (Debian's docker.io). It runs in this venv (swebench is a sandpool dependency);
 its task images are cached under ``sandpool_home()``, keyed by their version.
 
+``nox -s venvs`` builds all of these venvs and runs no test (``make test`` runs it beside the
+main suite).
+
 ``nox -s openhands`` runs ``tests/openhands`` with openhands-sdk/-tools/-workspace/-agent-server
 1.58.2, and ``nox -s openhands_app`` runs ``tests/openhands_app`` with openhands-ai 1.11.0
 (the app server; it pins the SDK at 1.34.0, hence a venv of its own). Their venvs are big, so it lives under ``sandpool_home()/venvs/<name>-<hash of the pins>``,
@@ -224,6 +227,20 @@ def openhands_app(session: nox.Session) -> None:
     # backtrack for over 20 minutes; installed after it, they resolve in a minute or two.
     venv = _cached_venv(session, "openhands-app", OPENHANDS_APP, later=("swebench", "datasets", "pyarrow"))
     _run_pytest(session, venv, "tests/openhands_app")
+
+
+@nox.session(python=False)
+def venvs(session: nox.Session) -> None:
+    """Build (or find) every integration session's cached venv, and run no test.
+
+    ``make test`` starts this beside the cluster build and the main suite, so a cold machine's
+    pip downloads overlap the compile and the tests instead of following them.
+    """
+    _nemo_venv(session, "0.4.0", _pyenv_python("3.12"))
+    _nemo_venv(session, "0.7.0", _pyenv_python("3.13", exact="3.13.0"), "--ignore-requires-python")
+    sdk = _cached_venv(session, "openhands-sdk", OPENHANDS_SDK)
+    _extras(session, sdk, OPENHANDS_K8S_EXTRAS)
+    _cached_venv(session, "openhands-app", OPENHANDS_APP, later=("swebench", "datasets", "pyarrow"))
 
 
 @nox.session(python=False)
