@@ -296,3 +296,28 @@ async def test_a_checkpointed_episode_survives_its_pod_deleted_mid_step(cluster,
         assert (result.outcome, result.reward, result.recoveries) == (Outcome.COMPLETED, 1.0, 1)
         assert seen == [("done\n", "1\n2\n3\none\nD  calc.py\n?? steps.txt\n")]
         assert pool.counters.recoveries == 1 and pool.counters.quarantines == 0
+
+
+async def test_suspend_through_several_clusters_parks_the_sandbox_on_its_own(cluster, namespace, repo):
+    """A pool over MultiClusterBackend parks as its member does: the pod released, the
+    Sandbox Suspended on the cluster it runs on, and resume brings the state back there."""
+    from sandpool.core.backends.multi import MultiClusterBackend
+
+    path, _, second = repo
+    task = make_task(IMAGE, second)
+    inner = backend(cluster, namespace, path)
+    multi = MultiClusterBackend({"one": inner})
+    async with SandboxPool(multi, "reuse", PoolLimits(max_live=4)) as pool:
+        async with pool.claim(task) as lease:
+            assert (await lease.exec(STATE, timeout=60)).ok
+            want = (await lease.exec(SHOW, timeout=60)).text
+            sb = lease.sandbox
+            await lease.suspend()
+            assert sb.pod_uid not in _live_pods(cluster, namespace, inner.run_id)
+            assert _sandbox(cluster, namespace, sb.sandbox_name)["spec"]["operatingMode"] == "Suspended"
+            await lease.resume()
+            new = lease.sandbox
+            assert new.sandbox_name == sb.sandbox_name and new.pod_uid != sb.pod_uid
+            assert multi.cluster_of(new) == "one" and multi.cluster_of(sb) is None
+            assert (await lease.exec(SHOW, timeout=60)).text == want
+        assert pool.counters.quarantines == 0

@@ -268,6 +268,40 @@ class MultiClusterBackend(Backend):
         m.lost += not sandbox.alive()
         await self._delete_on(m, sandbox)
 
+    async def park(self, sandbox: Sandbox) -> bool:
+        """Park ``sandbox`` on its own cluster (see :meth:`Backend.park
+        <sandpool.core.base.Backend.park>`); False when that cluster cannot park, or is down.
+
+        Raises:
+            InfraError: As the member raised it.
+        """
+        m = self._owner.get(sandbox)
+        if m is None or m.down is not None:
+            return False
+        return await m.backend.park(sandbox)
+
+    async def unpark(self, sandbox: Sandbox) -> Sandbox:
+        """Run parked ``sandbox`` again on its own cluster; the new handle takes its place
+        there (a parked sandbox never moves: its identity is that cluster's object).
+
+        Raises:
+            SandboxDied: Its cluster went down meanwhile (the pool claims another).
+            InfraError: As the member raised it.
+        """
+        m = self._owner.get(sandbox)
+        if m is None:
+            raise errors.SandboxDied(f"sandbox {sandbox.id} is not parked on any cluster")
+        if m.down is not None:
+            raise errors.SandboxDied(f"cluster {m.name} of parked sandbox {sandbox.id} "
+                                     f"is down: {m.down}")
+        new = await m.backend.unpark(sandbox)
+        if new is not sandbox:
+            self._owner.pop(sandbox, None)
+            m.live.discard(sandbox)
+            self._owner[new] = m
+            m.live.add(new)
+        return new
+
     async def _delete_on(self, m: _Member, sandbox: Sandbox) -> None:
         if m.down is None:
             await m.backend.delete(sandbox)
