@@ -368,7 +368,26 @@ async def test_prefetch_warms_the_next_batch_within_max_live_and_lets_the_last_o
         await pool.prefetch(c, rollouts_per_task=2)  # room comes from a's idle sandboxes
         await until(lambda: pool.sizes().get("img-c", {}).get("idle") == 2, "c warm")
         assert pool.sizes()["img-b"]["idle"] == 2  # the batch not yet run keeps its warm pool
-        assert len(backend.live) <= 4 and pool.counters.evicted == 2
+        assert backend.peak_held <= 4 and pool.counters.evicted == 2
         async with pool.claim(b[0]) as lease:
             await lease.exec("true")
         assert pool.counters.warm_hits == 3
+
+
+async def test_a_prefetch_at_the_cap_creates_only_once_the_evicted_sandboxes_are_deleted():
+    # A sandbox being deleted holds its room: the next batch's sandboxes start as the last
+    # batch's deletes return, never beside them.
+    backend = MemoryBackend()
+    backend.delete_gate = asyncio.Event()
+    async with SandboxPool(backend, "reuse", PoolLimits(max_live=2)) as pool:
+        try:
+            await pool.prefetch([task(0, "img-a")], rollouts_per_task=2)
+            await until(lambda: pool.sizes().get("img-a", {}).get("idle") == 2, "a warm")
+            await pool.prefetch([task(1, "img-b")], rollouts_per_task=2)
+            await until(lambda: backend.deleting == 2, "a's sandboxes evicted")
+            assert len(backend.created_at) == 2 and pool._entries.live == 2
+            backend.delete_gate.set()
+            await until(lambda: pool.sizes().get("img-b", {}).get("idle") == 2, "b warm")
+            assert backend.peak_held <= 2 and pool.counters.evicted == 2
+        finally:
+            backend.delete_gate.set()

@@ -7,7 +7,7 @@ After every step of a sequence:
 * every entry is in the collection of its state, once, and counts match the backend: every
   sandbox the backend holds is one entry's, and every entry that is not being created or
   deleted holds a live sandbox of the backend;
-* sandboxes not being deleted never exceed ``max_live``;
+* sandboxes, those being deleted too (and the backend's at its peak), never exceed ``max_live``;
 * a sandbox is leased to at most one lease, and one that was quarantined, died or broke is
   never handed out again;
 * warm hits never exceed claims.
@@ -160,7 +160,7 @@ class Run:
                     assert e.state is state and e.image == img.image
                     assert id(e) not in seen, f"{e!r} is in two collections"
                     seen.add(id(e))
-        assert entries.count(S.IDLE, S.LEASED, S.RESETTING, S.CREATING) <= self.max_live
+        assert entries.live <= self.max_live and self.backend.peak_held <= self.max_live
         holding = {e.sandbox.id for img in entries.images.values()
                    for s in (S.IDLE, S.LEASED, S.RESETTING) for e in img.entries(s)}
         deleting = {e.sandbox.id for img in entries.images.values() for e in img.entries(S.DELETED)}

@@ -265,10 +265,13 @@ class Entries:
            already in flight for the image). At ``max_live`` a claim waits for a delete in
            flight to give back its room rather than evict an idle sandbox whose image's next
            rollout would then start cold and evict another (the cascade); with no delete in
-           flight it evicts an idle sandbox of an image nobody waits for.
+           flight it evicts an idle sandbox of an image nobody waits for, and creates once
+           that delete has returned (a sandbox being deleted holds its room: the pool never
+           holds more than ``max_live``).
         3. Warm pools below their target (the strategy's deficit) get creations, up to
-           ``max_live`` (evicting, at the cap, only idle sandboxes beyond their image's
-           target), unless the image is backing off after a failed fill.
+           ``max_live`` (at the cap, waiting for deletes in flight, or evicting only idle
+           sandboxes beyond their image's target and waiting for those deletes), unless the
+           image is backing off after a failed fill.
 
         Args:
             now: Monotonic time, for the fill back-off.
@@ -301,6 +304,7 @@ class Entries:
                     if evicted is None:
                         break
                     work.evict.append(evicted)
+                    continue  # its room is free when its delete returns; assign runs then
                 work.create.append((self._new(name), False))
                 live += 1
         for name, img in list(self.images.items()):
@@ -311,13 +315,16 @@ class Entries:
                                          resetting=img.count(S.RESETTING))
             for _ in range(want):
                 if live >= self.max_live:
+                    if freeing > 0:  # room a delete in flight gives back (claims took theirs)
+                        freeing -= 1
+                        continue
                     # Room from an idle sandbox no plan wants (its image is past its target,
                     # e.g. the batch before a prefetch), never from one that is planned for.
                     evicted = self._evict_one(exclude=name, planned_too=False)
                     if evicted is None:
                         break
                     work.evict.append(evicted)
-                    live -= 1
+                    continue  # as for a claim: the creation waits for the delete's return
                 work.create.append((self._new(name), True))
                 live += 1
         return work
