@@ -375,6 +375,12 @@ class SandboxPool:
         return {name: img.sizes() for name, img in list(self._entries.images.items())}
 
     @property
+    def max_live(self) -> int:
+        """The cap on live sandboxes in force: ``PoolLimits.max_live``, or the default
+        :meth:`prepare` and :meth:`prefetch` sized when that is unset."""
+        return self._entries.max_live
+
+    @property
     def ttfc_samples(self) -> list[float]:
         """TTFC of every lease that ran a command, in seconds, in order."""
         return list(self._ttfc)
