@@ -14,6 +14,7 @@ pointing at this venv stands in for the per-server venv NeMo Gym would otherwise
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -262,11 +263,12 @@ def row_for(task: Task) -> dict[str, Any]:
             "responses_create_params": {"input": task.problem_statement}}
 
 
-@pytest.fixture(scope="module")
-async def live(server_client, pool_block: dict[str, Any], tmp_path_factory) -> AsyncIterator[tuple]:
-    """A sandpool_swe server in this process, built as NeMo Gym's ``run_webserver`` builds it
-    (config from NeMo Gym's config parser, ``setup_webserver``, served by uvicorn); yields
-    ``(server, client)``, so tests reach its pool and sessions while episodes go over HTTP."""
+@contextlib.asynccontextmanager
+async def serving(pool_block: dict[str, Any], work: Path) -> AsyncIterator[tuple]:
+    """A sandpool_swe server in this process with ``pool_block`` as its ``sandpool:`` block,
+    built as NeMo Gym's ``run_webserver`` builds it (config from NeMo Gym's config parser,
+    ``setup_webserver``, served by uvicorn); yields ``(server, client)``: NeMo Gym's
+    ``ServerClient`` reaches it as :data:`MAIN`, and tests reach its pool and sessions."""
     import uvicorn
     from omegaconf import OmegaConf
 
@@ -274,9 +276,9 @@ async def live(server_client, pool_block: dict[str, Any], tmp_path_factory) -> A
     from sandpool.integrations.nemo_gym import CONFIG_PATH
     from sandpool.integrations.nemo_gym.server import SandpoolSweConfig, SandpoolSweResourcesServer
 
-    overrides = tmp_path_factory.mktemp("faults") / "overrides.yaml"
+    overrides = work / "overrides.yaml"
     overrides.write_text(json.dumps({MAIN: {"resources_servers": {"sandpool_swe": {
-        "port": free_port(), "sandpool": pool_block | {"concurrency": 1}}}}}))
+        "port": free_port(), "sandpool": pool_block}}}}))
     gcd = GlobalConfigDictParser().parse_no_environment(
         OmegaConf.create({"config_paths": [str(CONFIG_PATH), str(overrides)]}))
     inner = get_first_server_config_dict(gcd, MAIN)
@@ -287,10 +289,19 @@ async def live(server_client, pool_block: dict[str, Any], tmp_path_factory) -> A
     app = server.setup_webserver()
     server.setup_liveness(app)
     userver = uvicorn.Server(uvicorn.Config(app, host=config.host, port=config.port, log_level="warning"))
-    serving = asyncio.get_running_loop().create_task(userver.serve())
+    serving_ = asyncio.get_running_loop().create_task(userver.serve())
     while not userver.started:
-        assert not serving.done(), serving.exception()
+        assert not serving_.done(), serving_.exception()
         await asyncio.sleep(0.05)
-    yield server, client
-    userver.should_exit = True
-    await serving
+    try:
+        yield server, client
+    finally:
+        userver.should_exit = True
+        await serving_
+
+
+@pytest.fixture(scope="module")
+async def live(server_client, pool_block: dict[str, Any], tmp_path_factory) -> AsyncIterator[tuple]:
+    """A sandpool_swe server in this process (see :func:`serving`) for one session at once."""
+    async with serving(pool_block | {"concurrency": 1}, tmp_path_factory.mktemp("faults")) as both:
+        yield both

@@ -10,6 +10,8 @@ Needs the ``nemo-gym`` extra (Python >= 3.12): ``pip install 'sandpool[nemo-gym]
   the mapping of errors to HTTP answers.
 * :mod:`.config` -- the ``sandpool:`` YAML block both share (importable without NeMo Gym).
 * :mod:`.sessions` -- NeMo Gym sessions mapped to leased sandboxes, with idle reclaim.
+* :mod:`.prefetch` -- the next batch warmed ahead: the server's ``/prefetch`` and the call
+  NeMo Gym's side makes.
 
 NeMo Gym resolves a resources server as ``resources_servers/<name>/`` under the directory it
 is started from; :data:`ROOT` is such a directory, so NeMo Gym runs the server from here::

@@ -56,6 +56,8 @@ __all__ = [
     "MASKS_FAILED_VERIFY",
     "NEMO_FAILURE_KINDS",
     "CloseSessionBody",
+    "PrefetchRequest",
+    "PrefetchResponse",
     "ReadFileRequest",
     "ReadFileResponse",
     "ResourcesCloseSessionRequest",
@@ -159,6 +161,32 @@ class WriteFileResponse(BaseModel):
 
     path: str
     bytes_written: int
+
+
+class PrefetchRequest(BaseModel):
+    """The next batch, to warm while the current one runs (``POST /prefetch``).
+
+    Attributes:
+        instance_ids: The next batch's tasks; an id listed twice counts twice. Empty: the
+            warm targets the last prefetch raised go back.
+        num_repeats: Sessions each listed id will have at once (default: the config's
+            ``num_repeats``).
+    """
+
+    instance_ids: list[str]
+    num_repeats: int | None = Field(default=None, ge=1)
+
+
+class PrefetchResponse(BaseModel):
+    """What ``/prefetch`` started (without waiting for the sandboxes).
+
+    Attributes:
+        warm_targets: Image -> the warm target set for it, in sandboxes.
+        rejected: Instance id -> why it was left out (unknown id, missing image).
+    """
+
+    warm_targets: dict[str, int]
+    rejected: dict[str, str]
 
 
 class SandpoolVerifyRequest(BaseVerifyRequest):

@@ -8,7 +8,10 @@ Routes (all keyed by NeMo Gym's session cookie):
   and ``POST /write_file`` ``{"path": ..., "content": ...}`` are the agent's tools.
 * ``POST /verify`` grades the sandbox's state against FAIL_TO_PASS/PASS_TO_PASS, returns
   ``reward`` (1.0 resolved, else 0.0), then releases the sandbox for reuse.
-* ``GET /pool_status`` shows pool and session counts.
+* ``POST /prefetch`` ``{"instance_ids": [...], "num_repeats": ...}`` hydrates and warms the
+  next batch's sandboxes while the current batch runs (:mod:`.prefetch`; NeMo Gym's side
+  calls it with :func:`~sandpool.integrations.nemo_gym.prefetch.prefetch`).
+* ``GET /pool_status`` shows pool and session counts, and sandboxes by image and state.
 * ``GET /metrics`` serves the pool's Prometheus series (:mod:`sandpool.core.telemetry`), in a
   registry of this server's own.
 
@@ -60,6 +63,8 @@ from sandpool.integrations.nemo_gym.protocol import (
     MASKS_FAILED_VERIFY,
     NEMO_FAILURE_KINDS,
     CloseSessionBody,
+    PrefetchRequest,
+    PrefetchResponse,
     ReadFileRequest,
     ReadFileResponse,
     ResourcesCloseSessionResponse,
@@ -78,6 +83,7 @@ from sandpool.integrations.nemo_gym.protocol import (
     nemo_failure_kind,
     verify_response,
 )
+from sandpool.integrations.nemo_gym.prefetch import prefetch_tasks
 from sandpool.integrations.nemo_gym.sessions import SessionTable
 
 __all__ = [
@@ -171,6 +177,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         app.post("/shell")(self.shell)
         app.post("/read_file")(self.read_file)
         app.post("/write_file")(self.write_file)
+        app.post("/prefetch")(self.prefetch)
         app.get("/pool_status")(self.pool_status)
         app.get("/metrics")(self.metrics)
 
@@ -353,12 +360,26 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
             return error_response(exc)
         return verify_response(body, result, session.rollout.score, result.sandbox_id)
 
+    async def prefetch(self, body: PrefetchRequest):  # type: ignore[no-untyped-def]
+        """Warm the next batch's sandboxes within ``max_live`` and return at once; ids that
+        cannot run are listed under ``rejected`` (``503`` only when the pool cannot run
+        sandboxes at all)."""
+        settings = self.config.sandpool
+        try:
+            out = await prefetch_tasks(self.pool, lambda iid: self._task_for(iid, None), body.instance_ids,
+                                       num_repeats=body.num_repeats or settings.num_repeats,
+                                       concurrency=settings.concurrency)
+        except Exception as exc:  # noqa: BLE001 - the pool is closed or its backend is gone
+            return error_response(exc)
+        return PrefetchResponse(warm_targets=out.warm_targets, rejected=out.rejected)
+
     async def metrics(self) -> Response:
         """The pool's Prometheus series, in the text exposition format."""
         return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
 
     async def pool_status(self) -> dict[str, Any]:
-        """Pool and session counts: sandboxes created, resets, quarantines, infra errors."""
+        """Pool and session counts: sandboxes created, resets, quarantines, infra errors,
+        the live cap and sandboxes by image and state."""
         pool = self.pool
         c = pool.counters
         return {
@@ -367,4 +388,5 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
             "created": c.created, "deleted": c.deleted, "claims": c.claims, "warm_hits": c.warm_hits,
             "resets": c.resets, "quarantines": c.quarantines,
             "infra_errors": dict(c.infra_errors),
+            "max_live": pool.max_live, "sandboxes": pool.sizes(),
         }
