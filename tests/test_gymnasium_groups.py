@@ -59,3 +59,32 @@ def test_without_lookahead_the_draws_are_those_of_the_sub_envs_generators(opts, 
     finally:
         a.close()
         b.close()
+
+
+def test_an_image_coming_round_again_finds_its_groups_sandboxes_idle(image, task, tmp_path):
+    # 4 images x groups of 2: the default cap holds every image's group, so a sandbox reset in
+    # place waits for its image's next round instead of being evicted for another image's.
+    from sandpool.core.backends.local import image_dir
+
+    root, tasks = tmp_path / "images", []
+    root.mkdir()
+    for i in range(4):
+        name = f"{task.image}-alias{i}"
+        image_dir(root, name).symlink_to(image_dir(image[0], task.image))
+        tasks.append(task.model_copy(update={"instance_id": f"{task.instance_id}-{i}", "image": name}))
+    envs = gym.make_vec(ENV_ID, num_envs=2, group_size=2, max_steps=1, tasks=tasks,
+                        backend_options={"images_root": str(root)}, step_timeout=10.0,
+                        grade_timeout=120.0)
+    try:
+        _, info = envs.reset(seed=1)
+        seen = [info["task_id"][0]]
+        while len(seen) < 12:
+            envs.step(("true",) * 2)
+            _, _, _, _, info = envs.step(("",) * 2)  # the autoreset: the next round
+            seen.append(info["task_id"][0])
+        assert len(set(seen)) < len(seen)  # some image came round again
+        report = envs.report()
+        assert report.pool.evicted == 0
+        assert report.sandboxes_created <= 2 * len(tasks)  # one group's sandboxes per image
+    finally:
+        envs.close()

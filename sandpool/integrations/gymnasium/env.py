@@ -85,8 +85,16 @@ def owner_for(
     limits: PoolLimits | None,
     backend_options: Mapping[str, Any] | None,
     concurrency: int,
+    working_set: int = 0,
 ) -> _Owner:
     """Validate the pool arguments of an env and return its (lazy) :class:`_Owner`.
+
+    Without ``limits``, the pool's ``max_live`` is the strategy's for ``concurrency`` episodes
+    at once or, with a reusing strategy, for ``working_set`` sandboxes if that is more: the
+    sandboxes the env's tasks claim again (one per image per episode of it at once), so a
+    sandbox reset in place waits idle for its image's next episode instead of being evicted
+    to make room, and that episode starting cold (``sandpool run`` sizes its pool the same
+    way).
 
     Raises:
         ConfigError: ``pool`` is not a :class:`BackgroundPool`, or a bad backend, backend
@@ -102,7 +110,8 @@ def owner_for(
         check_backend(backend, backend_options)
         get_strategy(strategy)
     if limits is None:
-        limits = PoolLimits(max_live=get_strategy(strategy).max_live(concurrency))
+        strat = get_strategy(strategy)
+        limits = PoolLimits(max_live=strat.max_live(max(concurrency, working_set if strat.reuse else 0)))
     return _Owner(pool, {"backend": backend, "strategy": strategy, "limits": limits,
                          "backend_options": backend_options})
 
@@ -125,7 +134,8 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         max_steps: Steps per episode; the last one is graded and ends with ``truncated=True``.
         pool: A :class:`BackgroundPool` to share with other envs; the env then neither opens
             nor closes it. ``backend``, ``strategy``, ``limits``, ``backend_options`` are ignored.
-        limits: Pool limits (default: the strategy's live cap for one env).
+        limits: Pool limits (default: the strategy's live cap for one env or, with
+            ``reuse``, for one sandbox per image of ``tasks``, whichever is larger).
         backend_options: Constructor arguments of a named backend (e.g. ``images_root``).
             Checked at construction; the backend's preflight (e.g. that the kubeconfig
             exists and loads) runs at the first ``reset``, where the pool opens.
@@ -187,7 +197,8 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         self.render_mode = None
         self._by_id = {t.instance_id: t for t in self.tasks}
         self._owner = owner_for(pool, backend=backend, strategy=strategy, limits=limits,
-                                backend_options=backend_options, concurrency=1)
+                                backend_options=backend_options, concurrency=1,
+                                working_set=len({t.image for t in self.tasks}))
         self._session: Session | None = None
         self._finalizer = weakref.finalize(self, _Owner.close, self._owner)
 

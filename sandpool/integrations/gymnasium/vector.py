@@ -84,6 +84,9 @@ class SWEVectorEnv(VectorEnv):
             once for the group. It must divide ``num_envs``; 1 draws per sub-env.
         lookahead: Draw each group's next task one round ahead and have the pool warm its
             image while the current round runs (:meth:`SandboxPool.prefetch`).
+        limits: As for the single env; the default cap holds the running and (with
+            lookahead) the next round's sandboxes, or, with ``reuse``, ``group_size``
+            sandboxes per image of ``tasks``, whichever is larger.
         autoreset_mode: ``AutoresetMode.NEXT_STEP`` (default) or ``AutoresetMode.DISABLED``.
 
     ``reset(options=...)`` also takes ``"task_ids"``: a sequence of ``num_envs`` ids (or
@@ -146,10 +149,12 @@ class SWEVectorEnv(VectorEnv):
         self.single_observation_space, self.single_action_space = make_spaces(self.config)
         self.observation_space = batch_space(self.single_observation_space, num_envs)
         self.action_space = batch_space(self.single_action_space, num_envs)
-        # Room for the batch running and, with lookahead, the next one warming.
+        # Room for the batch running and, with lookahead, the next one warming; and for each
+        # image's group to find its sandboxes idle when the image comes round again.
         self._owner = owner_for(pool, backend=backend, strategy=strategy, limits=limits,
                                 backend_options=backend_options,
-                                concurrency=num_envs * (2 if lookahead else 1))
+                                concurrency=num_envs * (2 if lookahead else 1),
+                                working_set=len({t.image for t in self.tasks}) * group_size)
         self._finalizer = weakref.finalize(self, _Owner.close, self._owner)
         self._sessions: list[Session] = []
         self._rngs: list[np.random.Generator] = []
