@@ -90,11 +90,10 @@ def owner_for(
     """Validate the pool arguments of an env and return its (lazy) :class:`_Owner`.
 
     Without ``limits``, the pool's ``max_live`` is the strategy's for ``concurrency`` episodes
-    at once or, with a reusing strategy, for ``working_set`` sandboxes if that is more: the
+    at once and, with a reusing strategy, ``working_set`` sandboxes beside them: the
     sandboxes the env's tasks claim again (one per image per episode of it at once), so a
     sandbox reset in place waits idle for its image's next episode instead of being evicted
-    to make room, and that episode starting cold (``sandpool run`` sizes its pool the same
-    way).
+    to make room for another image's (that episode would start cold, and evict in turn).
 
     Raises:
         ConfigError: ``pool`` is not a :class:`BackgroundPool`, or a bad backend, backend
@@ -111,7 +110,7 @@ def owner_for(
         get_strategy(strategy)
     if limits is None:
         strat = get_strategy(strategy)
-        limits = PoolLimits(max_live=strat.max_live(max(concurrency, working_set if strat.reuse else 0)))
+        limits = PoolLimits(max_live=strat.max_live(concurrency + (working_set if strat.reuse else 0)))
     return _Owner(pool, {"backend": backend, "strategy": strategy, "limits": limits,
                          "backend_options": backend_options})
 
@@ -134,8 +133,8 @@ class SWEEnv(gym.Env[dict[str, Any], str]):
         max_steps: Steps per episode; the last one is graded and ends with ``truncated=True``.
         pool: A :class:`BackgroundPool` to share with other envs; the env then neither opens
             nor closes it. ``backend``, ``strategy``, ``limits``, ``backend_options`` are ignored.
-        limits: Pool limits (default: the strategy's live cap for one env or, with
-            ``reuse``, for one sandbox per image of ``tasks``, whichever is larger).
+        limits: Pool limits (default: the strategy's live cap for one env and, with
+            ``reuse``, one idle sandbox per image of ``tasks``).
         backend_options: Constructor arguments of a named backend (e.g. ``images_root``).
             Checked at construction; the backend's preflight (e.g. that the kubeconfig
             exists and loads) runs at the first ``reset``, where the pool opens.

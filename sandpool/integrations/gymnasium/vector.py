@@ -85,8 +85,8 @@ class SWEVectorEnv(VectorEnv):
         lookahead: Draw each group's next task one round ahead and have the pool warm its
             image while the current round runs (:meth:`SandboxPool.prefetch`).
         limits: As for the single env; the default cap holds the running and (with
-            lookahead) the next round's sandboxes, or, with ``reuse``, ``group_size``
-            sandboxes per image of ``tasks``, whichever is larger.
+            lookahead) the next round's sandboxes and, with ``reuse``, ``group_size`` idle
+            sandboxes per image of ``tasks`` beside them.
         autoreset_mode: ``AutoresetMode.NEXT_STEP`` (default) or ``AutoresetMode.DISABLED``.
 
     ``reset(options=...)`` also takes ``"task_ids"``: a sequence of ``num_envs`` ids (or
