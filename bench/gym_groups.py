@@ -3,8 +3,10 @@
 Runs ``--episodes`` episodes of the default task pack (28 images) through
 ``gym.make_vec("sandpool/SWE-v0", num_envs=N, group_size=G)`` with the scripted policy of
 ``examples/gymnasium_rollouts.py`` (gold patch on even sub-envs, none on odd ones), once
-per ``--groups`` value, and prints each run's sandboxes created, rollouts per sandbox, warm
-hits, evictions and TTFC side by side, with the machine's load average.
+per ``--groups`` value, and prints each run's sandboxes created beside the issue's bound (one
+per image, plus replacements: sandboxes quarantined or lost) and beside the floor of a group
+running at once (G sandboxes for each image the rounds drew), with rollouts per sandbox, warm
+hits, evictions and TTFC, and the machine's load average.
 
     .venv/bin/python bench/gym_groups.py --episodes 100 --num-envs 4 --groups 1,4
 """
@@ -34,6 +36,7 @@ def run(tasks, episodes: int, num_envs: int, group_size: int, lookahead: bool):
     try:
         _, info = envs.reset(seed=0)
         task = [by_id[t] for t in info["task_id"]]
+        drawn = {t.image for t in task}
         step = [0] * num_envs
         ended = np.zeros(num_envs, dtype=bool)
         done = 0
@@ -43,11 +46,12 @@ def run(tasks, episodes: int, num_envs: int, group_size: int, lookahead: bool):
             for i in range(num_envs):
                 if ended[i]:
                     task[i], step[i] = by_id[info["task_id"][i]], 0
+                    drawn.add(task[i].image)
                     continue
                 step[i] += 1
                 done += bool(term[i] or trunc[i])
             ended = term | trunc
-        return envs.report()
+        return envs.report(), len(drawn)
     finally:
         envs.close()
 
@@ -63,17 +67,19 @@ def main() -> None:
     rows = []
     for g in (int(x) for x in args.groups.split(",")):
         load0 = os.getloadavg()[0]
-        r = run(tasks, args.episodes, args.num_envs, g, not args.no_lookahead)
-        rows.append((g, r, load0, os.getloadavg()[0]))
+        r, drawn = run(tasks, args.episodes, args.num_envs, g, not args.no_lookahead)
+        rows.append((g, r, drawn, load0, os.getloadavg()[0]))
         print(f"G={g}: {r.render_text()}", flush=True)
     print(f"\n{args.episodes} episodes, {len(tasks)} tasks ({len({t.image for t in tasks})} images), "
           f"{args.num_envs} sub-envs, lookahead {not args.no_lookahead}")
-    print(f"{'G':>3} {'claims':>7} {'created':>8} {'per sandbox':>12} {'warm':>6} {'evicted':>8} "
-          f"{'TTFC p50 ms':>12} {'max ms':>8} {'load':>10}")
-    for g, r, l0, l1 in rows:
-        print(f"{g:>3} {r.pool.claims:>7} {r.sandboxes_created:>8} {r.reuse or 0:>12.2f} "
-              f"{r.pool.warm_hits:>6} {r.pool.evicted:>8} {r.ttfc.p50_s * 1000:>12.1f} "
-              f"{r.ttfc.max_s * 1000:>8.0f} {l0:>4.0f}->{l1:.0f}")
+    images = len({t.image for t in tasks})
+    print(f"{'G':>3} {'claims':>7} {'created':>8} {'images+repl':>12} {'G x drawn':>10} "
+          f"{'per sandbox':>12} {'warm':>6} {'evicted':>8} {'TTFC p50 ms':>12} {'max ms':>8} {'load':>10}")
+    for g, r, drawn, l0, l1 in rows:
+        repl = r.pool.quarantines + r.pool.lost
+        print(f"{g:>3} {r.pool.claims:>7} {r.sandboxes_created:>8} {images + repl:>12} {g * drawn:>10} "
+              f"{r.reuse or 0:>12.2f} {r.pool.warm_hits:>6} {r.pool.evicted:>8} "
+              f"{r.ttfc.p50_s * 1000:>12.1f} {r.ttfc.max_s * 1000:>8.0f} {l0:>4.0f}->{l1:.0f}")
 
 
 if __name__ == "__main__":
