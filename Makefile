@@ -1,5 +1,5 @@
 # Two commands after cloning: `make run` (the main job) and `make test` (the test suite).
-# Each installs what it needs: Debian packages (bubblewrap, git) when missing, and a Python
+# Each installs what it needs: Debian packages (bubblewrap, git, skopeo, ...) when missing, and a Python
 # 3.12 venv in .venv with sandpool and its test dependencies.
 
 SHELL := /bin/bash
