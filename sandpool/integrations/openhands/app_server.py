@@ -27,7 +27,8 @@ reward 0.
 
 Differences from openhands-ai's own services: the sandbox has no network, so the agent-server
 cannot call the app server's webhooks back (the app server reads it by URL instead); paused
-sandboxes keep their memory (SIGSTOP), like the process service; sandbox records live in this
+sandboxes keep their memory (frozen by their cgroup's freezer, SIGSTOP where none is
+writable: ``LocalBackend.freeze``), like the process service; sandbox records live in this
 process, so they do not survive an app server restart.
 """
 
