@@ -339,9 +339,11 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
     common["absent"] = tuple(t for t in f2p + p2p if t not in status)
     seen = set(status)
     evidence = list(suspicious)
+    skipped_by_report: dict[str, bool] = {}
     if plan.pytest:
         rep = read_signed_report(report, key)
         seen.update(plan.id_of(nodeid) for nodeid in rep.statuses)
+        skipped_by_report = {plan.id_of(n): True for n, st in rep.statuses.items() if st == "SKIPPED"}
         evidence += cross_check(rep, log=log, log_status=status, exit_code=res.exit_code,
                                 tests=f2p + p2p, id_of=plan.id_of)
         if rep.sealed:
@@ -360,6 +362,15 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
     common["ran"] = sum(t in seen for t in plan.tests)
     if not common["ran"] and resolved:  # a harness rule that counts an absent test as passed
         resolved, failed_f2p, failed_p2p = False, f2p, p2p
+    if resolved and plan.harness != "r2e-gym":
+        # A listed test passed with the gold patch, so a skip of one is no pass, whatever a
+        # harness rule that counts only FAILED/ERROR says: the code under test can skip it
+        # (``pytest.skip`` from the function a test calls). R2E-Gym compares whole maps.
+        skipped = {t for t in f2p + p2p if status.get(t) == "SKIPPED" or skipped_by_report.get(t)}
+        if skipped:
+            resolved = False
+            failed_f2p, failed_p2p = (tuple(t for t in f2p if t in skipped),
+                                      tuple(t for t in p2p if t in skipped))
     if evidence:
         return unresolved(task, tampering=tuple(evidence), **common)
     return GradeResult(
