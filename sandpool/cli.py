@@ -20,7 +20,7 @@ from sandpool.core.paths import sandpool_home
 from sandpool.core.pool import PoolLimits
 from sandpool.progress import Progress
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="Warm pools of isolated sandboxes for SWE-style RL and evaluation.")
 console = Console(stderr=True)
 
@@ -251,7 +251,7 @@ def bench(
     limit: Annotated[int, typer.Option(min=1, help="Tasks, spread over their images.")] = 8,
     rollouts: Annotated[int, typer.Option(min=1, help="Rollouts per task.")] = 4,
     concurrency: Annotated[int, typer.Option(min=1, help="Rollouts at once, for every strategy.")] = 8,
-    out: Annotated[Path, typer.Option(help="Directory for bench_<backend>.{txt,json} and the plots.")] = Path("reports/bench"),
+    out: Annotated[Path, typer.Option(help="Directory for `bench_<backend>.{txt,json}` and the plots.")] = Path("reports/bench"),
     kubeconfig: Annotated[Path | None, typer.Option(help="kubernetes: the cluster (default: $KUBECONFIG, "
                                                           "~/.kube/config).")] = None,
     simulate: Annotated[bool, typer.Option("--simulate", help="Run no sandbox: the Kubernetes burst's "
@@ -334,7 +334,8 @@ def gc(
               + ", ".join(f"{n} {res}" for res, n in found.items()))
 
 
-images_app = typer.Typer(help="OCI images hydrated for local sandboxes: list (default), pull, rm, prune.")
+images_app = typer.Typer(rich_markup_mode="markdown",
+                         help="OCI images hydrated for local sandboxes: list (default), pull, rm, prune.")
 app.add_typer(images_app, name="images")
 
 
