@@ -48,3 +48,50 @@ async def test_decisive_tests_skipped_by_the_code_under_test_score_0(backend, im
     by = {r.policy: r for r in report.rollouts}
     assert by["oracle"].reward == 1.0, report.render_text()
     assert by["skipper"].reward == 0.0 and not report.rejected, (by["skipper"], report.render_text())
+
+
+#: Python lines that, run as root in the sandbox, leave what a later Python run in it would
+#: trip on, outside the repo: a .pth and a sitecustomize that end every interpreter at start,
+#: a pytest.ini in the root's home and in /, PYTEST_ADDOPTS for login shells, an edit of
+#: pytest itself, files in /tmp and /dev/shm; then they stop collection (none of the tests
+#: runs).
+_POISON = r"""
+import glob, os, sysconfig
+def put(p, s, mode="w"):
+    try:
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, mode) as f: f.write(s)
+    except OSError: pass
+for d in {sysconfig.get_paths()["purelib"], "/usr/lib/python3/dist-packages", *glob.glob("/usr/lib/python3*/")}:
+    put(d + "/zz_poison.pth", "import os; os._exit(0)\n")
+    put(d + "/sitecustomize.py", "import os; os._exit(0)\n")
+for d in ("/root", "/", "/tmp", "/testbed/..", os.path.expanduser("~")):
+    put(d + "/pytest.ini", "[pytest]\naddopts = -p no:python --co\n")
+put("/etc/profile.d/zz.sh", "export PYTEST_ADDOPTS='--co -p no:python'\n")
+put("/etc/environment", "PYTEST_ADDOPTS=--co\n", "a")
+for f in glob.glob("/usr/lib/python3/dist-packages/_pytest/main.py"):
+    put(f, "\nimport os; os._exit(0)\n", "a")
+put("/dev/shm/poison", "x"); put("/tmp/poison", "x")
+"""
+
+
+def _poison_cmd(into_patch: bool) -> str:
+    code = _POISON.replace("'", "'\\''")
+    if into_patch:  # runs at grading, when the tests import the package
+        return (f"printf '%s\\nraise ImportError(\"poisoned\")\\n' '{code}' >> calcpkg/__init__.py")
+    return f"python3 -c '{code}'"
+
+
+@pytest.mark.parametrize("into_patch", [False, True], ids=["in-its-sandbox", "from-its-patch-at-grading"])
+async def test_a_policy_cannot_poison_the_runnable_check_for_later_rollouts(backend, images, into_patch):
+    """The poisoner's run: 0 (its tests did not run), never rejected; the runnable check it
+    triggers sees a pristine sandbox, and later rollouts of the task on the same sandboxes
+    (reuse) are scored as usual."""
+    task = _on(images, "python3", instance_id=f"calc-poison-{into_patch}")
+    poisoner = _Shell("poisoner", _poison_cmd(into_patch))
+    policies = [poisoner, OraclePolicy(), OraclePolicy(), poisoner, OraclePolicy()]
+    report = await run_batch([task], policies, backend, rollouts_per_task=len(policies),
+                             concurrency=1, strategy="reuse", retries=0)
+    assert not report.rejected and report.failures["rejected"] == 0, report.render_text()
+    rewards = sorted((r.policy, r.reward) for r in report.rollouts)
+    assert rewards == [("oracle", 1.0)] * 3 + [("poisoner", 0.0)] * 2, report.render_text()
