@@ -28,19 +28,42 @@ class _Shell(Policy):
         assert res.exit_code == 0, (self.name, res.err_text)
 
 
-#: Code appended to the package under test: when a test module imports it, every test of that
-#: module is marked skipped (pytestmark in the importer's globals), so none fails.
-_SKIP_ALL = ("printf 'import sys, pytest\\nsys._getframe(1).f_globals.setdefault(\"pytestmark\", "
-             "[pytest.mark.skip(reason=\"x\")])\\n' >> calcpkg/__init__.py")
-#: The same with one test skipped imperatively from the package's code.
-_SKIP_CALL = ("printf 'import pytest\\ndef add(a, b):\\n    pytest.skip(\"x\")\\n' >> calcpkg/__init__.py")
+def _append(code: str) -> str:
+    """A shell command that appends ``code`` to the package under test."""
+    return f"cat >> calcpkg/__init__.py <<'PYEOF'\n{code}PYEOF"
+
+
+#: Finds the test module importing the package (the nearest frame of a ``test_`` module).
+_IMPORTER = """import sys
+f = sys._getframe(1)
+while f is not None and "test_" not in f.f_globals.get("__name__", ""):
+    f = f.f_back
+"""
+#: Every test of the importing module marked skipped (``pytestmark`` in its globals).
+_SKIP_ALL = _append(_IMPORTER + """import pytest
+f.f_globals["pytestmark"] = [pytest.mark.skip(reason="x")]
+""")
+#: The FAIL_TO_PASS test made absent: a trace function on the importing module's frame deletes
+#: ``test_add`` from its globals once defined, so pytest collects only the PASS_TO_PASS test
+#: (no hook, nothing of pytest touched).
+_HIDE_F2P = _append(_IMPORTER + """def tr(frame, ev, arg):
+    frame.f_globals.pop("test_add", None)
+    return tr
+f.f_trace = tr
+sys.settrace(lambda *a: None)
+""")
+#: The function the tests call skips them imperatively.
+_SKIP_CALL = _append("""import pytest
+def add(a, b):
+    pytest.skip("x")
+""")
 
 
 @pytest.mark.parametrize("harness", ["swe-smith", "pytest"])
-@pytest.mark.parametrize("command", [_SKIP_ALL, _SKIP_CALL], ids=["pytestmark", "skip-call"])
+@pytest.mark.parametrize("command", [_SKIP_ALL, _SKIP_CALL, _HIDE_F2P], ids=["pytestmark", "skip-call", "hide-f2p"])
 async def test_decisive_tests_skipped_by_the_code_under_test_score_0(backend, images, command, harness):
-    """SWE-smith counts only FAILED/ERROR as failures: a skip raised from the package's code
-    (no fix) must not pass for the fix, nor make the task rejected."""
+    """SWE-smith counts only FAILED/ERROR as failures: a test the package's code (no fix)
+    skipped or hid from collection must not pass for the fix, nor make the task rejected."""
     kind = "no-pytest-command" if harness == "swe-smith" else "python3"
     task = _on(images, kind, instance_id=f"calc-{harness}-skip", harness=harness)
     report = await run_batch([task], [_Shell("skipper", command), OraclePolicy()], backend,

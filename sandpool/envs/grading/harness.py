@@ -17,7 +17,9 @@ Four harnesses, chosen by :func:`harness_of` (a row's ``harness`` column wins):
   on the FAIL_TO_PASS files; a test absent from the log counts as passed and only an
   explicit FAILED/ERROR fails, over the FAIL_TO_PASS/PASS_TO_PASS ids in those files
   (SWE-smith ``swesmith/harness/grading.py`` ``get_eval_report``/``get_eval_tests_report``,
-  ``swesmith/harness/utils.py`` ``get_test_command``, read from its repository).
+  ``swesmith/harness/utils.py`` ``get_test_command``, read from its repository). Grading
+  adds one rule to every harness but R2E-Gym (``verdict.score_run``): a listed test that did
+  not run, or was skipped, is no pass (the code under test can hide or skip one).
 * ``r2e-gym``: R2E-Gym rows. ``bash /root/run_tests.sh`` with ``/root/r2e_tests`` linked at
   ``<workdir>/r2e_tests``; the pytest short summary parsed into ``Class.test`` keys (the
   node id after its file), keys cut at `` - ``; resolved only when the parsed map equals

@@ -363,14 +363,17 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
     if not common["ran"] and resolved:  # a harness rule that counts an absent test as passed
         resolved, failed_f2p, failed_p2p = False, f2p, p2p
     if resolved and plan.harness != "r2e-gym":
-        # A listed test passed with the gold patch, so a skip of one is no pass, whatever a
-        # harness rule that counts only FAILED/ERROR says: the code under test can skip it
-        # (``pytest.skip`` from the function a test calls). R2E-Gym compares whole maps.
-        skipped = {t for t in f2p + p2p if status.get(t) == "SKIPPED" or skipped_by_report.get(t)}
-        if skipped:
+        # Every listed test passed with the gold patch, so one that did not run (absent from
+        # the log and the signed report) or was skipped is no pass, whatever a harness rule
+        # that fails only FAILED/ERROR says (SWE-smith's): the code under test can skip a test
+        # (``pytest.skip`` in a function it calls) or hide one from collection (a trace
+        # function that deletes it from its module). R2E-Gym compares whole maps.
+        bad = {t for t in plan.tests
+               if t not in seen or status.get(t) == "SKIPPED" or skipped_by_report.get(t)}
+        if bad:
             resolved = False
-            failed_f2p, failed_p2p = (tuple(t for t in f2p if t in skipped),
-                                      tuple(t for t in p2p if t in skipped))
+            failed_f2p, failed_p2p = (tuple(t for t in f2p if t in bad),
+                                      tuple(t for t in p2p if t in bad))
     if evidence:
         return unresolved(task, tampering=tuple(evidence), **common)
     return GradeResult(
