@@ -118,3 +118,24 @@ async def test_a_policy_cannot_poison_the_runnable_check_for_later_rollouts(back
     assert not report.rejected and report.failures["rejected"] == 0, report.render_text()
     rewards = sorted((r.policy, r.reward) for r in report.rollouts)
     assert rewards == [("oracle", 1.0)] * 3 + [("poisoner", 0.0)] * 2, report.render_text()
+
+
+#: The package's code (no fix), run at grading, exhausts what the sandbox has: memory, its
+#: process limit, or the agent's pipe with output, to end the run as the sandbox's failure.
+_EXHAUST = {
+    "memory": _append("chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 26))\n"),
+    "fork-bomb": _append("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"),
+    "kill-all": _append("import os, signal\nos.kill(-1, signal.SIGKILL)\n"),
+}
+
+
+@pytest.mark.parametrize("how", list(_EXHAUST))
+async def test_a_patch_that_exhausts_the_sandbox_at_grading_scores_0_not_infra_or_rejected(backend, images, how):
+    task = _on(images, "python3", instance_id=f"calc-exhaust-{how}")
+    report = await run_batch([task], [_Shell(how, _EXHAUST[how]), OraclePolicy()], backend,
+                             rollouts_per_task=2, concurrency=1, strategy="reuse", retries=0,
+                             grade_timeout=30)  # the fork bomb runs until the timeout
+    by = {r.policy: r for r in report.rollouts}
+    assert not report.rejected and by[how].reward == 0.0, (by[how], report.render_text())
+    assert by[how].outcome.value in ("completed", "task_failed"), by[how]
+    assert by["oracle"].reward == 1.0, report.render_text()
