@@ -6,7 +6,6 @@ import pytest
 
 from sandpool.core import SandboxPool
 from sandpool.core.reset import pristine_record
-from tests.waiting import until
 
 from test_kubernetes_backend import backend, make_task, pods_of, repo  # noqa: F401 - fixture
 
@@ -21,10 +20,10 @@ async def test_a_claim_adopts_the_session_and_record_made_on_its_warm_pod(cluste
     try:
         async with SandboxPool(be, "warm") as pool:
             await pool.prepare([task], concurrency=3, rollouts_per_task=3)
-            # Three warm pods, three sessions: opened while nobody has claimed.
+            # Three warm pods, three sessions: opened while nobody has claimed, and before
+            # prepare returns (warm means exec-ready).
             pre = be._presessions
-            await until(lambda: len(pre) == 3 and all(t.done() for t in pre.pending.values()),
-                        "a session opened on each warm pod")
+            assert len(pre) == 3 and all(t.done() for t in pre.pending.values())
             opened = {name: t.result() for name, t in pre.pending.items()}
             assert all(s is not None and s.session.alive for s in opened.values())
             # ...and each pod's pristine state recorded through it, before any claim.

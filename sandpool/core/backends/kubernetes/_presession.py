@@ -105,6 +105,7 @@ class Presessions:
         self._no_agent: set[str] = set()  # images whose agent could not start
         self._closing: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._changed = asyncio.Event()  # a session was started or an image given up
         pods.subscribe(None, self._on_pod)
 
     def __len__(self) -> int:
@@ -147,6 +148,7 @@ class Presessions:
                             workdir=self._images.resolve(image).workdir)
         self._pre[name] = _Pre(meta["uid"], asyncio.get_running_loop().create_task(
             self._open(target, image, meta["uid"]), name=f"sandpool-presession-{name}"))
+        self._changed.set()
 
     async def _open(self, target: ExecTarget, image: str, uid: str) -> Opened | None:
         session = AgentSession(self._http, target, target.sandbox_id, self.python,
@@ -199,6 +201,32 @@ class Presessions:
     def no_agent(self, image: str) -> None:
         """Open no session on ``image``'s pods: its agent cannot start there."""
         self._no_agent.add(image)
+        self._changed.set()
+
+    async def settle(self, warm: Mapping[str, int], timeout: float) -> int:
+        """Wait until the warm pods of ``warm`` (image -> warm sandboxes) have their sessions
+        opened and their pristine state recorded, or tried, within the bound; images whose
+        agent cannot start are left out. Returns the sessions ready for a claim to adopt,
+        possibly fewer than asked once ``timeout`` seconds have passed (their claims then
+        wait for them or open their own)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            want = min(self.limit, sum(n for i, n in warm.items() if i not in self._no_agent))
+            tasks = [p.task for p in self._pre.values()]
+            pending = [t for t in tasks if not t.done()]
+            left = deadline - loop.time()
+            if (len(tasks) >= want and not pending) or left <= 0 or self._closed:
+                break
+            self._changed.clear()
+            changed = loop.create_task(self._changed.wait())
+            try:
+                await asyncio.wait([*pending, changed], timeout=left,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
+        return sum(1 for t in tasks if t.done() and not t.cancelled() and t.result() is not None
+                   and t.result().recorded is not None)
 
     def _drop(self, name: str) -> None:
         pre = self._pre.pop(name, None)

@@ -280,7 +280,9 @@ class KubernetesBackend(Backend):
         return kept
 
     async def wait_warm(self) -> None:
-        """Wait until every SandboxWarmPool of this run has its replicas Ready (shared watch).
+        """Wait until every SandboxWarmPool of this run has its replicas Ready (shared watch)
+        and, with ``presessions``, their pods exec-ready (see :meth:`Presessions.settle`;
+        at most ``agent_timeout`` more).
 
         Raises:
             InfraTimeout: Not within 4 x ``ready_timeout``.
@@ -289,6 +291,8 @@ class KubernetesBackend(Backend):
             return
         await self._watch()
         await self._claims.wait_warm()
+        if self._presessions is not None:
+            await self._presessions.settle(self._announced, self._live.agent_timeout)
 
     async def place(self, images: Sequence[str], sizes: Mapping[str, float],
                     **kw: Any) -> PlacementPlan:
