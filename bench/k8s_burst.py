@@ -100,12 +100,38 @@ def model_timeline(t0: float, t1: float) -> list[tuple[float, dict[str, float]]]
     return out
 
 
+def cluster_cpu_s() -> float:
+    """CPU seconds used so far by the cluster's components and every process under them
+    (kwok's pods run as host processes under kwok; a reaped child's time is its parent's)."""
+    roots = {p["pid"] for p in json.loads((run_dir() / "state.json").read_text())["processes"].values()}
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, spent = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            f = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # gone meanwhile
+        parent[int(entry.name)] = int(f[1])
+        spent[int(entry.name)] = sum(int(x) for x in f[11:15]) / tick  # utime stime cutime cstime
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            if pid in roots:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+
+    return sum(s for pid, s in spent.items() if under(pid))
+
+
 def hooks(source: Path, model: dict) -> ClusterHooks:
     sizes = ((lambda images: {i: image_size(i, model) for i in images}) if model["model"] == "seed"
              else None)  # flat model: no sizes; 1 GB each for the plan
     return ClusterHooks(image_map=lambda n: workdir_image(n, source), image_sizes=sizes,
                         node_disk_bytes=model.get("disk_gb", 1e6) * 1e9, timeline=model_timeline,
-                        describe=model)
+                        describe=model, cpu=cluster_cpu_s)
 
 
 async def main() -> None:

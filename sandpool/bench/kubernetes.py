@@ -24,15 +24,15 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import time
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sandpool.bench.kubemonitor import Monitor, scrape_apiserver
 from sandpool.bench.report import BenchReport, StrategyResult, load_now
 from sandpool.bench.workload import FIRST_COMMAND, Probes
 from sandpool.core.errors import ConfigError
@@ -41,7 +41,6 @@ from sandpool.core.task import Task
 __all__ = ["MODES", "ClusterHooks", "KubeOptions", "run_kubernetes", "scrape_apiserver"]
 
 MODES = ("pods", "warm", "reuse")
-_METRIC = re.compile(r"^(?P<name>[a-z_]+)\{(?P<labels>[^}]*)\} (?P<value>[0-9.e+]+)$")
 _WRITE_VERBS = ("POST", "PUT", "PATCH", "DELETE", "APPLY")
 
 
@@ -84,6 +83,9 @@ class ClusterHooks:
         timeline: ``(t0, t1) -> [(time, series name -> value)]`` extra series for the
             timeline plot (e.g. image pulls in flight).
         describe: What to print about the cluster with every result.
+        cpu: CPU seconds the cluster's own processes have used so far (a kwok cluster's
+            pods are processes of this machine); a mode's ``cpu_s`` is its difference plus
+            the bench process's own (None: not measured).
     """
 
     image_map: Callable[[str], Any] | None = None
@@ -91,87 +93,7 @@ class ClusterHooks:
     node_disk_bytes: float = 1e15
     timeline: Callable[[float, float], list[tuple[float, dict[str, float]]]] | None = None
     describe: dict[str, Any] = field(default_factory=dict)
-
-
-async def scrape_apiserver(admin) -> tuple[Counter, int, float]:
-    """apiserver requests by verb, pods created (POST pods 201), etcd size seen (bytes), from
-    the apiserver's ``/metrics`` as ``admin`` (a KubernetesBackend) may read it."""
-    http = await admin._client()
-    async with http.session.get(http.url("/metrics"), headers=await http.headers()) as resp:
-        text = await resp.text()
-    by_verb: Counter = Counter()
-    pods, db = 0, 0.0
-    for line in text.splitlines():
-        if not (mm := _METRIC.match(line)):
-            continue
-        name, value = mm.group("name"), float(mm.group("value"))
-        if name == "apiserver_storage_size_bytes":
-            db = max(db, value)
-        if name != "apiserver_request_total":
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', mm.group("labels")))
-        by_verb[labels.get("verb", "?")] += int(value)
-        if (labels.get("verb"), labels.get("resource"), labels.get("subresource"),
-                labels.get("code")) == ("POST", "pods", "", "201"):
-            pods += int(value)
-    return by_verb, pods, db
-
-
-class _Monitor:
-    """Samples every ``period`` s: this machine's CPU busy, load and memory, etcd's size, and
-    the pods of the namespaces being measured, by phase."""
-
-    def __init__(self, admin, period: float = 2.0) -> None:
-        self.admin, self.period = admin, period
-        self.samples: list[dict[str, Any]] = []
-        self.namespace: str | None = None
-        self._task: asyncio.Task | None = None
-
-    @staticmethod
-    def _cpu() -> tuple[int, int]:
-        f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(f), f[3] + f[4]
-
-    async def _run(self) -> None:
-        t0, i0 = self._cpu()
-        while True:
-            await asyncio.sleep(self.period)
-            t1, i1 = self._cpu()
-            busy, (t0, i0) = 1 - (i1 - i0) / max(1, t1 - t0), (t1, i1)
-            mem = {k: int(v.split()[0]) * 1024 for k, v in
-                   (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text().splitlines())
-                   if k in ("MemTotal", "MemAvailable")}
-            s: dict[str, Any] = {"t": time.time(), "cpu_busy": busy, "load1": os.getloadavg()[0],
-                                 "mem_used_gb": (mem["MemTotal"] - mem["MemAvailable"]) / 1e9}
-            try:
-                s["etcd_db_mb"] = (await scrape_apiserver(self.admin))[2] / 1e6
-                if self.namespace:
-                    http = await self.admin._client()
-                    pods = await http.request("GET", f"/api/v1/namespaces/{self.namespace}/pods")
-                    phases = Counter(p.get("status", {}).get("phase", "?") for p in pods.get("items", []))
-                    s["pods"] = dict(phases)
-            except Exception:  # noqa: BLE001 - a missed sample is not a result
-                pass
-            self.samples.append(s)
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-
-    def window(self, t0: float, t1: float) -> list[dict[str, Any]]:
-        return [x for x in self.samples if t0 <= x["t"] <= t1]
-
-    def peaks(self, t0: float, t1: float) -> dict[str, float]:
-        s = self.window(t0, t1)
-        if not s:
-            return {}
-        return {"cpu busy mean": round(sum(x["cpu_busy"] for x in s) / len(s), 2),
-                "load 1m max": round(max(x["load1"] for x in s), 1),
-                "memory used max (GB)": round(max(x["mem_used_gb"] for x in s), 1),
-                "etcd db max (MB)": round(max(x.get("etcd_db_mb", 0) for x in s), 1)}
+    cpu: Callable[[], float] | None = None
 
 
 async def _default_service_account(http, namespace: str, timeout: float = 60.0) -> None:
@@ -198,7 +120,7 @@ def _make_backend(kubeconfig, name: str, namespace: str, opts: KubeOptions, hook
         agent_timeout=opts.agent_timeout, presessions=presessions if name == "warm" else 0)
 
 
-async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: _Monitor, *, rollouts: int,
+async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: Monitor, *, rollouts: int,
                     concurrency: int, opts: KubeOptions, hooks: ClusterHooks,
                     say: Callable[[str], None]) -> StrategyResult:
     from sandpool.core import PoolLimits, SandboxPool, run_rollout
@@ -228,6 +150,7 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: _Monit
 
     verbs0, pods0, _ = await scrape_apiserver(admin)
     load0, w0, t0 = load_now()[0], time.time(), time.monotonic()
+    cpu0 = (hooks.cpu() if hooks.cpu else None, time.process_time())
     results, prepulls, counters, closed = [], [], [], []
     plan, prepare_s = None, 0.0
     if placed:
@@ -280,6 +203,8 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: _Monit
         if next_pull is not None:
             next_pull.cancel()
         wall = time.monotonic() - t0
+        client_cpu = time.process_time() - cpu0[1]
+        cluster_cpu = hooks.cpu() - cpu0[0] if cpu0[0] is not None and hooks.cpu else None
         stats = backend.api_stats
         await backend.aclose()
         mon.namespace = None
@@ -320,6 +245,7 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: _Monit
         name, results, probes,
         sandboxes_created=sum(c.created for c in counters), resets=sum(c.resets for c in counters),
         quarantines=sum(c.quarantines for c in counters), wall_s=wall,
+        cpu_s=None if cluster_cpu is None else cluster_cpu + client_cpu, cpu_client_s=client_cpu,
         load=(load0, load_now()[0]), extra=extra)
 
 
@@ -382,7 +308,7 @@ async def run_kubernetes(cfg, *, tasks: list[Task] | Callable[[str], list[Task]]
     report = BenchReport(title=title, machine={"cpus": os.cpu_count(), "cluster": hooks.describe,
                                                "load_start": [round(x, 1) for x in load_now()]})
     admin = KubernetesBackend(cfg.kubeconfig)  # namespaces and /metrics; it creates nothing labelled
-    mon = _Monitor(admin)
+    mon = Monitor(admin)
     mon.start()
     try:
         for name in cfg.strategies:
