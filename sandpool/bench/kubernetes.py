@@ -3,7 +3,9 @@
 * ``pods``: the plain-Kubernetes baseline: a Pod per rollout (strategy ``cold``), deleted
   after; its image pulled when the pod asks; one pod exec per command;
 * ``warm``: agent-sandbox with placement: images planned onto nodes and prepulled, a
-  SandboxWarmPool per image (pods steered by node affinity), a SandboxClaim per rollout;
+  SandboxWarmPool per image (pods steered by node affinity) holding the burst's claims of
+  that image, their agent sessions open (the pool is told the burst up front:
+  ``prepare(exact=True)``), a SandboxClaim per rollout;
 * ``reuse``: placement and prepull, one Sandbox object per image lane held across its
   rollouts, which run back to back on it, reset in the pod; commands over one agent session
   per sandbox; deletes batched.
@@ -181,7 +183,7 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: Monito
                 wtasks = [by_image[i] for i in window]
                 # reuse: a lane per image sandbox, its rollouts back to back; else every lane at once.
                 lanes_n = len(wtasks) * opts.reuse_lanes if name == "reuse" else concurrency
-                slots = await pool.prepare(wtasks, lanes_n, rollouts_per_task=rollouts)
+                slots = await pool.prepare(wtasks, lanes_n, rollouts_per_task=rollouts, exact=True)
                 prepare_s += time.monotonic() - tp
                 gate = asyncio.Semaphore(concurrency)
                 queues = {t.image: deque((t, i) for i in range(rollouts)) for t in wtasks}

@@ -7,7 +7,8 @@ import pytest
 from sandpool.core import SandboxPool
 from sandpool.core.reset import pristine_record
 
-from test_kubernetes_backend import backend, make_task, pods_of, repo  # noqa: F401 - fixture
+from tests.waiting import until
+from test_kubernetes_backend import backend, custom, make_task, pods_of, repo  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.cluster
 
@@ -46,5 +47,35 @@ async def test_a_claim_adopts_the_session_and_record_made_on_its_warm_pod(cluste
             assert len(pre) <= 3  # the warm pool's refills get sessions too, within the cap
         # Closing the pool closes the sessions nobody adopted.
         assert len(pre) == 0 and not pre.closing
+    finally:
+        await be.aclose()
+
+
+async def test_a_batch_announced_up_front_is_claimed_warm_and_exec_ready(cluster, namespace,
+                                                                         repo):
+    path, first, _ = repo
+    be = backend(cluster, namespace, path, presessions=1)
+    task = make_task("sandpool.test/calc:1", first)
+    try:
+        async with SandboxPool(be, "warm") as pool:
+            # One lane, three claims announced: the SandboxWarmPool holds all three, each
+            # pod's session open and its state recorded before prepare returns.
+            await pool.prepare([task], concurrency=1, rollouts_per_task=3, exact=True)
+            (wp,) = custom(cluster, namespace, "sandboxwarmpools", be.run_id)
+            assert wp["spec"]["replicas"] == 3 and wp["status"]["readyReplicas"] == 3
+            pre = be._presessions
+            assert len(pre) == 3 and all(t.done() for t in pre.pending.values())
+            warm = {p.metadata.name for p in pods_of(cluster, namespace, be.run_id)}
+            for i in range(3):
+                async with pool.claim(task) as lease:
+                    assert lease.sandbox.pod in warm and lease.sandbox.recorded
+                    assert (await lease.exec("git rev-parse HEAD")).text.strip() == first
+            assert be.presessions_adopted == 3
+
+            def replicas() -> int:
+                return custom(cluster, namespace, "sandboxwarmpools", be.run_id)[0]["spec"]["replicas"]
+
+            # Lowered after each claim: nothing refilled that no claim of the batch takes.
+            await until(lambda: replicas() == 0, "the warm pool lowered to the claims to come")
     finally:
         await be.aclose()

@@ -11,6 +11,8 @@
 * :mod:`~sandpool.core.pool.lease`: :class:`Lease`, a claimed sandbox;
 * :mod:`~sandpool.core.pool.snapshots`: claims restored from a snapshot, fork, suspend and
   resume of a lease;
+* :mod:`~sandpool.core.pool.batch`: a batch's claims announced up front, and the warm pools a
+  backend holds sized to them;
 * :mod:`~sandpool.core.pool.limits`: :class:`PoolLimits` and the pool's lifecycle;
 * :mod:`~sandpool.core.pool.report`: the run report from the pool's counters.
 """

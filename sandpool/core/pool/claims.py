@@ -107,5 +107,5 @@ async def replace_sandbox(pool: SandboxPool, lease: Lease, *, dropped: bool = Fa
         lease.released = True  # nothing is leased any more
         pool._leases.discard(lease)
         raise
-    pool._claimed(warm)  # a claim of its own: a warm hit counts as one
+    pool._claimed(warm, lease.task.image)  # a claim of its own: a warm hit counts as one
     lease.swap(fresh)

@@ -22,6 +22,7 @@ from sandpool.core.base import Backend, SandboxState
 from sandpool.core.classify import Verdict, classify
 from sandpool.core.metrics import PoolCounters, RejectedTask, Report, RolloutResult, Workload
 from sandpool.core.pool import claims, snapshots
+from sandpool.core.pool.batch import Batch
 from sandpool.core.pool.entries import Entries
 from sandpool.core.pool.lease import Lease
 from sandpool.core.pool.report import build_report
@@ -84,6 +85,7 @@ class SandboxPool:
                                    strategy=self.strategy.name)
         self._worker = PoolWorker(backend, self._entries, limits, self.counters, self.telemetry,
                                   is_open=lambda: self.state is PoolState.OPEN)
+        self._batch = Batch(backend, self._worker.spawn)
         if self.telemetry.metrics is not None:
             self.telemetry.metrics.attach(self)
         backend.telemetry = self.telemetry
@@ -162,6 +164,7 @@ class SandboxPool:
         concurrency: int,
         *,
         rollouts_per_task: int = 1,
+        exact: bool = False,
         wait: bool = True,
     ) -> dict[str, int]:
         """Hydrate the tasks' images and fill warm pools for ``concurrency`` rollouts at once.
@@ -170,6 +173,10 @@ class SandboxPool:
             tasks: The tasks about to run.
             concurrency: How many rollouts will run at once.
             rollouts_per_task: Rollouts each task will get (weights the per-image split).
+            exact: The tasks get exactly ``rollouts_per_task`` claims each (one batch): a
+                warm pool the backend holds is sized to the image's claims and lowered as
+                they are served (see :mod:`~sandpool.core.pool.batch`); default: a standing
+                warm pool of the split, refilled after every claim.
             wait: Return only once every warm pool reached its target (or creation failed).
 
         Returns:
@@ -192,7 +199,10 @@ class SandboxPool:
         for image, n in slots.items():
             # The strategy's warm count for an empty image; the backend may hold it server-side.
             warm = self.strategy.deficit(target=n, idle=0, creating=0, leased=0, resetting=0)
-            kept = await self.backend.set_warm_target(image, warm, reuse=self.strategy.reuse)
+            self._batch.left.pop(image, None)
+            kept = await (self._batch.size(image, demand[image], warm, reuse=self.strategy.reuse)
+                          if exact else
+                          self.backend.set_warm_target(image, warm, reuse=self.strategy.reuse))
             self._entries.image(image).target = kept if warm else n
         self._worker.assign()
         if wait:
@@ -311,14 +321,15 @@ class SandboxPool:
             self._check_open()  # closed during the checkout: the close took the sandbox
             lease = Lease(self, entry, task, t0)
             self._leases.add(lease)
-            self._claimed(warm)
+            self._claimed(warm, task.image)
             span.set_attribute("sandpool.warm", warm)
             span.set_attribute("sandpool.sandbox_id", lease.id)
         if from_snapshot is not None:
             await snapshots.restore(self, lease, from_snapshot)
         return lease
 
-    def _claimed(self, warm: bool) -> None:
+    def _claimed(self, warm: bool, image: str) -> None:
+        self._batch.claimed(image)
         self.counters.claims += 1
         self.counters.warm_hits += warm
         self.telemetry.claimed(warm=warm)
