@@ -14,7 +14,8 @@ Modules:
 * :mod:`~sandpool.bench.docker`: a Docker daemon of the benchmark's own (Debian's docker.io);
 * :mod:`~sandpool.bench.cpu`: host CPU of the benchmark and all it starts;
 * :mod:`~sandpool.bench.report`: the side-by-side table, targets, JSON and plots;
-* :mod:`~sandpool.bench.kubernetes`: a burst of rollouts on a Kubernetes cluster, three ways;
+* :mod:`~sandpool.bench.kubernetes`: a burst of rollouts on a Kubernetes cluster, three ways,
+  and what :mod:`~sandpool.bench.kubemonitor` samples beside it;
 * :mod:`~sandpool.bench.predict` (``--simulate``): the model's predictions and its error
   against measured runs, over :mod:`~sandpool.bench.simulate` (a burst's rollouts) and
   :mod:`~sandpool.bench.simcluster` (the simulated clusters and their parameters).
