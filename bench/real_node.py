@@ -17,7 +17,8 @@ SWE-bench images share their base layers.
 * ``pod start cold`` / ``cached``: a plain pod's create request to its Ready condition (polled
   every 20 ms), with the image removed from the node first / already there;
 * ``sandbox start``: ``KubernetesBackend.create`` (pods mode) to a sandbox whose agent (pid 1,
-  over attach) answered, image cached;
+  over attach) answered, image cached; ``record``: then its pristine state recorded (as a
+  warm fill does, git's index refreshed);
 * ``exec round trip``: ``exec("true")`` over the agent channel, and over per-command pod exec;
 * ``reset``: ``reset_in_place`` after a small rollout mess;
 * the burst: ``--images`` x ``--rollouts`` oracle/noop rollouts under cold, warm and reuse
@@ -139,7 +140,7 @@ def pod_start(core, namespace: str, image: str, name: str) -> float:
 
 async def channel_rows(kubeconfig: str, namespace: str, image: str, task: dict,
                        repeat: int) -> dict[str, list[float]]:
-    rows: dict[str, list[float]] = {"sandbox start": [], "exec rtt agent": [],
+    rows: dict[str, list[float]] = {"sandbox start": [], "record": [], "exec rtt agent": [],
                                     "exec rtt pod exec": [], "reset": []}
     for agent in (True, False):
         be = KubernetesBackend(kubeconfig, namespace=namespace, mode="pods", agent=agent,
@@ -167,8 +168,12 @@ async def channel_rows(kubeconfig: str, namespace: str, image: str, task: dict,
                         raise SystemExit(f"reset failed: {outcome.problems}")
                 for _ in range(repeat - 1):
                     t0 = time.monotonic()
-                    await be.delete(await be.create(image))
+                    fresh = await be.create(image)
                     rows["sandbox start"].append(time.monotonic() - t0)
+                    t0 = time.monotonic()
+                    await record_pristine(fresh, refresh_index=True)  # as a warm fill does
+                    rows["record"].append(time.monotonic() - t0)
+                    await be.delete(fresh)
         finally:
             await be.aclose()
     return rows
@@ -209,7 +214,7 @@ def render(rows: dict[str, list[float]], mb: float, reports: dict, n_images: int
         row("pod start cached", "pod start cached",
             f"cached_pull_ms + boot_ms = {kwok['cached_pull_ms'] + kwok['boot_ms']:.0f}"),
     ]
-    for key in ("sandbox start", "exec rtt agent", "exec rtt pod exec", "reset"):
+    for key in ("sandbox start", "record", "exec rtt agent", "exec rtt pod exec", "reset"):
         lines.append(row(key, key))
     if reports:
         lines += ["", (f"burst: {n_images} images x {rollouts} rollouts (oracle/noop), "
