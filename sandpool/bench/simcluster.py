@@ -1,7 +1,13 @@
 """The simulated clusters of :mod:`sandpool.bench.simulate`: what the model holds, per cluster.
 
 Built on SimPy (processes over one simulated clock); every latency below is in seconds on
-that clock, sizes in GB, bandwidth in MB/s, each a field of :class:`SimParams`:
+that clock, sizes in GB, bandwidth in MB/s, each a field of :class:`SimParams`. An
+operation costs a wall time (its median when nothing else is in flight) of which some is
+CPU; where the pods, the control plane and sandpool share one machine's ``host_cpus`` (a
+kwok cluster: every pod is a process of this machine), those CPU seconds are shared by
+everything in flight and ``host_load`` jobs of other work (:class:`Shared`, at most one CPU
+each), so a burst slows every operation in it; 0: nothing shared (a real cluster's nodes
+run their own pods).
 
 * **nodes** (:class:`Node`): each has ``disk_gb`` of image disk (least recently used images
   not in use are evicted to make room) and ``bandwidth_mbps`` of pull bandwidth shared
@@ -9,27 +15,46 @@ that clock, sizes in GB, bandwidth in MB/s, each a field of :class:`SimParams`:
   on kwok); a pod whose image is being pulled on its node waits for that pull; then
   ``cached_pull_s`` and ``boot_s``. Image sizes follow the seed image model
   (``min + lognormal``, seeded by name: :func:`image_size`).
-* **node agent**: pods bound to nodes are taken up one at a time, ``provision_s`` each,
-  before their pulls start (kwok's provisioner: a workdir copy and an ``Exec`` per pod; a
-  real kubelet per node starts its pods' pulls at once: 0);
-* **scheduler**: binds a pod to a node that has or is pulling its image with probability
-  ``image_locality``, else to the node with the fewest pods (placement,
-  :func:`place_windows`, pins warm and reuse pods to their image's node);
+* **node agent**: a pod bound to a node is taken up by one of ``provision_workers`` (kwok's
+  provisioner: a workdir copy and an ``Exec`` per pod), ``provision_s`` of which
+  ``cpu_pod_s`` CPU (the pod's whole CPU: API server, scheduler, node agent, its delete),
+  before its pull starts;
+* **scheduler**: binds a pod to a node that runs (or starts) a pod of its image with
+  probability ``image_locality``, else to any node (pods that request no resources score
+  alike; an image merely cached on a node does not draw a pod there): on kwok, set from
+  the image pulls of the pods bursts (more than one per image, fewer than one per pod);
+  while every node holds ``node_pods`` pods a pod waits (placement, :func:`place_windows`,
+  pins warm and reuse pods to their image's node);
 * **API server**: ``api_seats`` writes executing at once, each ``api_write_s``; a write that
   finds every seat taken is rejected with 429 and ``Retry-After: 1`` (APF's Reject);
 * **sandpool's writes**: through the creation-rate controller of :mod:`sandpool.core.rate`
-  (the same class, on the simulated clock), retried on 429 as the client does;
-* **the agent-sandbox controller**: ``controller_workers`` reconciles at once, each
-  ``controller_s``, binding claims to warm sandboxes and refilling warm pools at
-  ``refill_per_s`` per pool (0: unpaced);
-* **sandboxes**: the agent session opens in ``agent_s`` and the pristine state is recorded in
-  ``record_s`` (before the claim when presessions are on), a command's round trip is
+  (the same class, on the simulated clock), retried on 429 as the client does; a run's
+  preflight makes ``preflight_writes`` (``preflight_writes_pods`` in pods mode);
+* **the agent-sandbox controller**: ``controller_workers`` claim reconciles at once, each
+  binding a claim to a warm sandbox in ``controller_s`` (``cpu_claim_s`` CPU); one warm-pool
+  reconcile at a time refills a pool (a write each), at ``refill_per_s`` per pool (0: unpaced);
+  with ``exact`` (the burst announced up front, as ``bench/k8s_burst.py`` does) each warm
+  pool holds its image's claims from the start and is lowered after each claim (one PATCH
+  in flight per pool); the warm-pool controller's pass after the claim (``reconcile_s``,
+  one at a time) refills a pod, then deleted, when it runs before that PATCH landed;
+* **sandboxes**: the agent session opens and the pristine state is recorded in ``agent_s``
+  (``cpu_agent_s``; before the claim when presessions are on); a command's round trip is
   lognormal with median ``exec_s`` (``exec_pod_s`` for the pods baseline's pod exec) and
-  ``exec_sigma``, an in-place reset ``reset_s``; every other latency is scaled by a uniform
-  factor in ``[1 - jitter, 1 + jitter]`` (:meth:`Cluster.lat`). A pod exec of the pods
-  baseline fails with probability ``exec_pod_fail`` (as kwok's did under load).
+  ``exec_sigma`` (CPU ``cpu_exec_s``, ``cpu_exec_pod_s``), an in-place reset ``reset_s``
+  (``cpu_reset_s``); every other latency is scaled by a uniform factor in
+  ``[1 - jitter, 1 + jitter]`` (:meth:`Cluster.lat`). A pod exec of the pods baseline fails
+  with probability ``exec_pod_fail``.
 
-How the rollouts of a burst use these is :func:`sandpool.bench.simulate.simulate`'s.
+The defaults are this machine's kwok cluster: each operation measured one at a time by
+``bench/sim_calibrate.py``; from the bursts of ``bench/k8s_burst.py``, ``image_locality``
+and ``reconcile_s`` (their pulls and pods), ``cpu_claim_s`` (a claim's CPU with what it
+sets off in the control plane, which one claim at a time cannot separate from its refill's:
+fitted to the warm burst at 40 images x 4, concurrency 40) and ``cpu_exec_s`` (a command's
+CPU among a hundred lanes, twice its CPU alone: fitted to the reuse burst at 100 images x
+4); ``host_load``, other work's jobs on the machine, is 0 (the runs' load averages are
+printed beside them); :func:`sandpool.bench.predict.real_cluster`
+swaps in the real node's figures. How the rollouts of a burst use these is
+:func:`sandpool.bench.simulate.simulate`'s.
 """
 
 from __future__ import annotations
@@ -61,34 +86,48 @@ class SimParams:
 
     nodes: int = 10
     disk_gb: float = 100.0
+    node_pods: int = 110
     bandwidth_mbps: float = 400.0
     image_min_gb: float = 1.2
     image_median_gb: float = 2.5
     image_sigma: float = 0.6
-    provision_s: float = 0.0
+    image_locality: float = 0.55
+    host_cpus: float = 2.0
+    host_load: float = 0.0
+    provision_workers: int = 8
+    provision_s: float = 0.053
+    cpu_pod_s: float = 0.098
     cached_pull_s: float = 0.1
-    boot_s: float = 1.0
-    image_locality: float = 1.0
+    boot_s: float = 0.4
     api_seats: int = 40
-    api_write_s: float = 0.05
+    api_write_s: float = 0.003
     qps: float = 50.0
+    preflight_writes: int = 19
+    preflight_writes_pods: int = 8
     burst: int = 100
     adaptive_rate: bool = True
-    controller_workers: int = 1
-    controller_s: float = 0.35
+    controller_workers: int = 50
+    controller_s: float = 0.11
+    cpu_claim_s: float = 0.075
     refill_per_s: float = 0.0
-    agent_s: float = 1.5
-    record_s: float = 0.9
-    presessions: bool = False
-    exec_s: float = 0.42
-    exec_pod_s: float = 0.6
+    exact: bool = True
+    reconcile_s: float = 0.5
+    agent_s: float = 0.232
+    cpu_agent_s: float = 0.153
+    presessions: bool = True
+    exec_s: float = 0.0067
+    cpu_exec_s: float = 0.01
+    exec_pod_s: float = 0.032
+    cpu_exec_pod_s: float = 0.035
     exec_sigma: float = 0.5
     exec_pod_fail: float = 0.0
-    reset_s: float = 1.0
+    reset_s: float = 0.173
+    cpu_reset_s: float = 0.088
     think_s: float = 5.0
     delete_batch_s: float = 0.5
     jitter: float = 0.2
     seed: int = 1
+
 
 @functools.lru_cache(maxsize=1 << 16)
 def image_size(image: str, p: SimParams) -> float:
@@ -98,6 +137,55 @@ def image_size(image: str, p: SimParams) -> float:
     return (p.image_min_gb + rng.lognormvariate(math.log(extra), p.image_sigma)) * GB
 
 
+class Shared:
+    """``capacity`` units per second shared equally by the jobs in flight (processor
+    sharing), at most ``per_job`` each: a node's pull bandwidth, or a host's CPUs."""
+
+    def __init__(self, env: simpy.Environment, capacity: float, per_job: float = math.inf,
+                 background: float = 0.0) -> None:
+        self.env, self.capacity, self.per_job = env, capacity, per_job
+        self.background = background  # jobs of other work, always in flight
+        self.jobs: dict[Any, list[Any]] = {}  # key -> [units left, done event]
+        self._t = 0.0
+        self._proc: simpy.Process | None = None
+
+    def _rate(self) -> float:
+        return min(self.per_job, self.capacity / max(1.0, len(self.jobs) + self.background))
+
+    def run(self, units: float, key: Any = None) -> simpy.Event:
+        """An event that fires once ``units`` are done (the job of ``key`` already in flight:
+        its event)."""
+        if key is not None and key in self.jobs:
+            return self.jobs[key][1]
+        done = self.env.event()
+        if units <= 0:
+            return done.succeed()
+        self._advance()
+        self.jobs[key if key is not None else object()] = [units, done]
+        if self._proc is not None and self._proc.is_alive:
+            self._proc.interrupt()
+        else:
+            self._proc = self.env.process(self._run())
+        return done
+
+    def _advance(self) -> None:
+        if self.jobs:
+            share = self._rate() * (self.env.now - self._t)
+            for job in self.jobs.values():
+                job[0] -= share
+        self._t = self.env.now
+
+    def _run(self) -> Iterator[simpy.Event]:
+        while self.jobs:
+            try:
+                yield self.env.timeout(max(0.0, min(j[0] for j in self.jobs.values()) / self._rate()))
+            except simpy.Interrupt:
+                continue
+            self._advance()
+            for key in [k for k, j in self.jobs.items() if j[0] <= 1e-9 * self.capacity]:
+                self.jobs.pop(key)[1].succeed()
+
+
 class Node:
     """Image disk with LRU eviction and processor-shared pull bandwidth."""
 
@@ -105,57 +193,28 @@ class Node:
         self.env, self.p, self.name = env, p, name
         self.cache: OrderedDict[str, float] = OrderedDict()
         self.in_use: Counter[str] = Counter()
-        self.active: dict[str, list[Any]] = {}  # image -> [bytes left, done event, size]
+        self.link = Shared(env, p.bandwidth_mbps * MB)
         self.used = 0.0
         self.pods = 0
-        self._t = 0.0
-        self._proc: simpy.Process | None = None
-
-    def has(self, image: str) -> bool:
-        return image in self.cache or image in self.active
+        self.held: list[Any] = []  # the cluster's pod slots its pods hold
+        self.pulls = 0
 
     def pull(self, image: str, size: float) -> simpy.Event:
         """An event that fires once ``image`` is on this node."""
         if image in self.cache:
             self.cache.move_to_end(image)
             return self.env.timeout(0)
-        if image in self.active:
-            return self.active[image][1]
+        if image in self.link.jobs:
+            return self.link.jobs[image][1]
         for old in [i for i in self.cache if not self.in_use[i]]:
             if self.used + size <= self.p.disk_gb * GB:
                 break
             self.used -= self.cache.pop(old)
         self.used += size
-        self._advance()
-        self.active[image] = [size, self.env.event(), size]
-        self._kick()
-        return self.active[image][1]
-
-    def _advance(self) -> None:
-        if self.active:
-            share = self.p.bandwidth_mbps * MB / len(self.active) * (self.env.now - self._t)
-            for a in self.active.values():
-                a[0] -= share
-        self._t = self.env.now
-
-    def _kick(self) -> None:
-        if self._proc is not None and self._proc.is_alive:
-            self._proc.interrupt()
-        else:
-            self._proc = self.env.process(self._run())
-
-    def _run(self) -> Iterator[simpy.Event]:
-        while self.active:
-            share = self.p.bandwidth_mbps * MB / len(self.active)
-            try:
-                yield self.env.timeout(max(0.0, min(a[0] for a in self.active.values()) / share))
-            except simpy.Interrupt:
-                continue
-            self._advance()
-            for image in [i for i, a in self.active.items() if a[0] <= 1.0]:
-                _, done, size = self.active.pop(image)
-                self.cache[image] = size
-                done.succeed()
+        self.pulls += 1
+        done = self.link.run(size, key=image)
+        done.callbacks.append(lambda _: self.cache.__setitem__(image, size))
+        return done
 
 
 class Cluster:
@@ -166,16 +225,28 @@ class Cluster:
         self.env, self.p, self.name, self.rng = env, p, name, rng
         self.nodes = [Node(env, p, f"{name}-n{i}") for i in range(p.nodes)]
         self.seats = simpy.Resource(env, capacity=p.api_seats)
-        self.controller = simpy.PriorityResource(env, capacity=p.controller_workers)
-        self.provisioner = simpy.Resource(env, capacity=1)
+        self.controller = simpy.Resource(env, capacity=p.controller_workers)
+        self.refiller = simpy.Resource(env, capacity=1)
+        self.provisioner = simpy.Resource(env, capacity=p.provision_workers)
+        self.cpu = (Shared(env, p.host_cpus, per_job=1.0, background=p.host_load)
+                    if p.host_cpus else None)
         self.rate = AdaptiveRate(RateControl(p.qps, p.burst, adaptive=p.adaptive_rate,
                                              min_rate=min(0.5, p.qps)), cluster=name, now=0.0)
         self._room = env.event()
+        self.slots = simpy.Resource(env, capacity=p.nodes * p.node_pods)
         self._fifo = simpy.Resource(env, capacity=1)
         self.writes = self.all_writes = self.pods = self.retried = 0
+        self.cpu_used = 0.0  # CPU seconds of the operations run
 
     def lat(self, s: float) -> float:
         return s * (1 + self.p.jitter * (2 * self.rng.random() - 1))
+
+    def op(self, wall_s: float, cpu_s: float) -> Iterator[simpy.Event]:
+        """An operation of ``wall_s`` (jittered) of which ``cpu_s`` is CPU, shared with
+        everything in flight on the host when there is one."""
+        yield self.env.timeout(self.lat(max(0.0, wall_s - cpu_s)))
+        self.cpu_used += cpu_s
+        yield self.cpu.run(cpu_s) if self.cpu is not None else self.env.timeout(cpu_s)
 
     # -- API writes --------------------------------------------------------------------
 
@@ -213,54 +284,58 @@ class Cluster:
     # -- pods --------------------------------------------------------------------------
 
     def node_for(self, image: str) -> Node:
-        having = [n for n in self.nodes if n.has(image) or n.in_use[image]]
+        """The scheduler's pick among the nodes with room for one more pod: one with the
+        image at ``image_locality``, else any (pods that request nothing score alike)."""
+        room = [n for n in self.nodes if n.pods < self.p.node_pods]
+        having = [n for n in room if n.in_use[image]]
         if having and self.rng.random() < self.p.image_locality:
             return min(having, key=lambda n: n.pods)
-        return min(self.nodes, key=lambda n: n.pods)
+        return self.rng.choice(room)
 
     def start_pod(self, image: str, node: Node | None) -> Iterator[simpy.Event]:
-        """Schedule, pull and boot a pod of ``image``; returns once it is Ready."""
+        """Schedule, provision, pull and boot a pod of ``image``; returns its node once it
+        is Ready."""
         self.pods += 1
         self.all_writes += 4  # the kubelet's status patches, the provisioner's Exec and note
+        slot = self.slots.request()  # a pod waits while every node is full
+        yield slot
         node = node or self.node_for(image)
+        node.held.append(slot)
         node.pods += 1
         node.in_use[image] += 1
-        if self.p.provision_s > 0:
-            with self.provisioner.request() as turn:
-                yield turn
-                yield self.env.timeout(self.lat(self.p.provision_s))
+        with self.provisioner.request() as turn:
+            yield turn
+            yield from self.op(self.p.provision_s, self.p.cpu_pod_s)
         yield node.pull(image, image_size(image, self.p))
         yield self.env.timeout(self.lat(self.p.cached_pull_s) + self.lat(self.p.boot_s))
         return node
 
+    def agent_start(self) -> Iterator[simpy.Event]:
+        """Open a sandbox's agent session and record its pristine state."""
+        yield from self.op(self.p.agent_s, self.p.cpu_agent_s)
+
+    def command(self, pod_exec: bool) -> Iterator[simpy.Event]:
+        """One command's round trip: over the agent, or as one pod exec."""
+        wall, cpu = ((self.p.exec_pod_s, self.p.cpu_exec_pod_s) if pod_exec
+                     else (self.p.exec_s, self.p.cpu_exec_s))
+        yield from self.op(cpu + (wall - cpu) * self.rng.lognormvariate(0.0, self.p.exec_sigma),
+                           cpu)
+
     def stop_pod(self, image: str, node: Node) -> None:
+        self.slots.release(node.held.pop())
         node.pods -= 1
         node.in_use[image] -= 1
         self.all_writes += 1
 
 
-def place_windows(images: list[str], p: SimParams, nodes: int) -> tuple[list[list[str]], dict]:
-    """Placement: images onto nodes by size (first fit, largest first), in windows that fit
-    the nodes' disks (the plan bench/k8s_burst.py makes with ``KubernetesBackend.place``)."""
-    cap = p.disk_gb * GB * 0.9
-    windows: list[list[str]] = []
-    node_of: dict[str, int] = {}
-    left = sorted(images, key=lambda i: -image_size(i, p))
-    while left:
-        free = [cap] * nodes
-        window, rest = [], []
-        for image in left:
-            size = image_size(image, p)
-            n = max(range(nodes), key=lambda k: free[k])
-            if free[n] >= size:
-                free[n] -= size
-                node_of[image] = n
-                window.append(image)
-            else:
-                rest.append(image)
-        if not window:  # an image larger than a node's disk: place it alone
-            window, rest = rest[:1], rest[1:]
-            node_of[window[0]] = 0
-        windows.append(window)
-        left = rest
-    return windows, node_of
+def place_windows(images: list[str], p: SimParams, slots_per_image: int
+                  ) -> tuple[list[list[str]], dict[str, int]]:
+    """Placement: sandpool's own plan (:func:`~sandpool.core.backends.kubernetes._placement.plan`,
+    as ``bench/k8s_burst.py`` makes it) over ``p.nodes`` nodes of ``disk_gb`` and ``node_pods``;
+    returns the windows and each image's node index."""
+    from sandpool.core.backends.kubernetes._placement import NodeCapacity, plan
+
+    nodes = [NodeCapacity(str(i), p.disk_gb * GB, p.node_pods) for i in range(p.nodes)]
+    made = plan(images, {i: image_size(i, p) for i in images}, nodes,
+                slots_per_image=slots_per_image)
+    return [list(w) for w in made.windows], {i: int(n) for i, n in made.node_of.items()}

@@ -13,11 +13,13 @@ parameters, :class:`SimParams`; this module runs a burst's rollouts over those c
 pods baseline fails, the rollout is retried on a new pod, its TTFC counted from that
 attempt's claim (as :func:`~sandpool.core.rollout.run_rollout` reports it).
 
-The defaults are calibrated from the kwok runs of ``bench/k8s_burst.py`` on the 2-core
-development machine (:data:`sandpool.bench.predict.MEASURED` lists every figure, with its
-source); :func:`sandpool.bench.predict.compare` gives the model's error on each of them.
-The real node's runs (``bench/real_node.py``) are not among them: their burst ran one image
-under several names, whose shared layers are pulled once, and the model has no layers.
+The defaults are the local kwok cluster's (see :mod:`sandpool.bench.simcluster`);
+:data:`sandpool.bench.predict.MEASURED` lists the bursts measured there, with their source
+and load, and :func:`sandpool.bench.predict.compare` gives the model's error on each figure.
+Predictions for a real cluster take the real node's pod start, agent, command and reset
+figures (``bench/real_node.py``; :func:`sandpool.bench.predict.real_cluster`); its own
+burst is not among the checks (one image under several names, whose shared layers are
+pulled once: the model has no layers).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from typing import Any
 
 import simpy
 
-from sandpool.bench.simcluster import Cluster, SimParams, image_size, place_windows
+from sandpool.bench.simcluster import Cluster, Node, SimParams, image_size, place_windows
 from sandpool.core.metrics import TTFCStats
+from sandpool.core.strategies import get_strategy
 
 __all__ = ["SimParams", "SimResult", "simulate"]
 
@@ -53,6 +56,9 @@ class SimResult:
     wall_s: float
     windows: int
     rate_lowest: float
+    prepulls: int = 0
+    pulls: int = 0
+    cpu_s: float = 0.0
     timeline: list[tuple[float, int, int]] = field(default_factory=list)
 
     @property
@@ -70,8 +76,12 @@ class SimResult:
 def simulate(mode: str, *, images: int, rollouts: int, params: SimParams | None = None,
              clusters: int = 1, concurrency: int | None = None) -> SimResult:
     """Run the burst of ``images`` x ``rollouts`` in ``mode`` (``pods``, ``warm``, ``reuse``)
-    over ``clusters`` identical clusters (images spread over them by affinity), every lane
-    at once unless ``concurrency`` bounds the rollouts in flight.
+    over ``clusters`` identical clusters (images spread over them by affinity), as
+    ``bench/k8s_burst.py`` runs it: ``concurrency`` rollouts at once (default: every
+    rollout), split into lanes per image by the strategy's plan
+    (:meth:`~sandpool.core.strategies.Strategy.plan`: the warm pool's size under ``warm``),
+    each lane running its image's rollouts one after another; ``reuse`` runs one lane per
+    image.
 
     Raises:
         ValueError: An unknown mode.
@@ -85,43 +95,60 @@ def simulate(mode: str, *, images: int, rollouts: int, params: SimParams | None 
     names = [f"sim-img-{i}" for i in range(images)]
     home = {n: cl[int(hashlib.sha256(n.encode()).hexdigest(), 16) % clusters] for n in names}
     ttfc: list[float] = []
-    gate = simpy.Resource(env, capacity=concurrency or images * rollouts)
+    conc = concurrency or images * rollouts
+    gate = simpy.Resource(env, capacity=conc)
+    strategy = get_strategy({"pods": "cold", "warm": "warm", "reuse": "reuse"}[mode])
     windows_n = [1]
+    prepulls = [0]
 
-    def command(c: Cluster) -> simpy.Event:
-        median = p.exec_pod_s if mode == "pods" else p.exec_s
-        return env.timeout(median * rng.lognormvariate(0.0, p.exec_sigma))
+    def lanes(imgs: list[str], slots: dict[str, int], rollout) -> simpy.Event:
+        """Each image's rollouts over its lanes, one after another on a lane; a lane holds
+        one of the ``concurrency`` places while it has rollouts left (as the bench's does)."""
+        left = dict.fromkeys(imgs, rollouts)
+
+        def lane(image: str) -> Iterator[simpy.Event]:
+            with gate.request() as g:
+                yield g
+                while left[image]:
+                    left[image] -= 1
+                    yield from rollout(image)
+
+        return simpy.AllOf(env, [env.process(lane(i)) for i in imgs for _ in range(slots[i])])
 
     def pods_rollout(image: str) -> Iterator[simpy.Event]:
-        c = home[image] if clusters > 1 else cl[0]
-        with gate.request() as g:
-            yield g
-            while True:
-                t0 = env.now
-                yield from c.write()  # POST pod
-                node = yield from c.start_pod(image, None)
-                yield command(c)
-                if rng.random() >= p.exec_pod_fail:
-                    break
-                yield from c.write()  # the failed attempt's pod is deleted
-                c.stop_pod(image, node)
-            ttfc.append(env.now - t0)
-            yield env.timeout(c.lat(p.think_s))
-            yield command(c)
-            yield from c.write()  # DELETE pod
+        c = home[image]
+        while True:
+            t0 = env.now
+            yield from c.write()  # POST pod
+            node = yield from c.start_pod(image, None)
+            yield from c.command(mode == "pods")
+            if rng.random() >= p.exec_pod_fail:
+                break
+            yield from c.write()  # the failed attempt's pod is deleted
             c.stop_pod(image, node)
+        ttfc.append(env.now - t0)
+        yield from c.command(mode == "pods")  # the round trip, again
+        yield env.timeout(c.lat(p.think_s))
+        yield from c.command(mode == "pods")
+        yield from c.write()  # DELETE pod
+        c.stop_pod(image, node)
 
-    def runplace_windows(body) -> Iterator[simpy.Event]:
+    def run_windows(body) -> Iterator[simpy.Event]:
         by_cluster: dict[Cluster, list[str]] = {}
         for n in names:
             by_cluster.setdefault(home[n], []).append(n)
-        procs = [env.process(clusterplace_windows(c, imgs, body)) for c, imgs in by_cluster.items()]
+        procs = [env.process(cluster_windows(c, imgs, body)) for c, imgs in by_cluster.items()]
         yield simpy.AllOf(env, procs)
 
-    def clusterplace_windows(c: Cluster, imgs: list[str], body) -> Iterator[simpy.Event]:
-        windows, node_of = place_windows(imgs, p, p.nodes)
+    def cluster_windows(c: Cluster, imgs: list[str], body) -> Iterator[simpy.Event]:
+        windows, node_of = place_windows(imgs, p, rollouts if mode == "warm" else 1)
         windows_n[0] = max(windows_n[0], len(windows))
         pulls = [c.nodes[node_of[i]].pull(i, image_size(i, p)) for i in windows[0]]
+        n = sum(len({node_of[i] for i in w}) for w in windows)  # a prepull pod per node
+        prepulls[0] += n
+        c.pods += n
+        for _ in range(n + len(windows)):
+            yield from c.write()  # the prepull pods, and a collection delete per window
         for wi, window in enumerate(windows):
             yield simpy.AllOf(env, pulls)
             if wi + 1 < len(windows):  # the next window pulls while this one runs
@@ -139,22 +166,56 @@ def simulate(mode: str, *, images: int, rollouts: int, params: SimParams | None 
                     c.nodes[node_of[i]].in_use[i] -= 1
 
     def warm_window(c: Cluster, window: list[str], node_of: dict) -> Iterator[simpy.Event]:
+        slots = strategy.plan(dict.fromkeys(window, rollouts), conc)
         ready: dict[str, simpy.Store] = {i: simpy.Store(env) for i in window}
+        in_flight, again = dict.fromkeys(window, False), dict.fromkeys(window, False)
+        waiting: dict[str, list[simpy.Event]] = {i: [] for i in window}
+
+        def reconcile(image: str, lowered: simpy.Event) -> Iterator[simpy.Event]:
+            """The warm-pool controller's pass after a claim took a member: a refill, made
+            then deleted, unless the pool was lowered first."""
+            with c.refiller.request() as w:
+                yield w
+                if lowered.triggered:
+                    return
+                yield env.timeout(c.lat(p.reconcile_s))
+            c.pods += 1  # the refill, deleted as the newest unready member once lowered
+            c.all_writes += 3
+            yield from c.op(p.cpu_pod_s, p.cpu_pod_s)
         live = [True]
 
         def replica(image: str, refill: bool = False) -> Iterator[simpy.Event]:
-            with c.controller.request(priority=1 if refill else 0) as w:
+            with c.refiller.request() as w:  # one warm-pool reconcile at a time
                 yield w
                 if refill and not live[0]:
                     return  # the window's warm pools were deleted meanwhile
-                yield env.timeout(c.lat(p.controller_s))
+                yield env.timeout(c.lat(p.api_write_s))
             c.all_writes += 2  # the controller's Sandbox and Pod
             node = yield from c.start_pod(image, c.nodes[node_of[image]])
             if p.presessions:
-                yield env.timeout(c.lat(p.agent_s) + c.lat(p.record_s))
+                yield from c.agent_start()
             yield ready[image].put(node)
 
         def refill(image: str) -> Iterator[simpy.Event]:
+            if p.exact:  # lowered after the claim, racing the controller's refill
+                lowered = env.event()
+                env.process(reconcile(image, lowered))
+                if in_flight[image]:  # one PATCH per image at a time, of the newest count
+                    again[image] = True
+                    waiting[image].append(lowered)
+                    return
+                in_flight[image] = True
+                mine = [lowered]
+                while True:
+                    again[image] = False
+                    yield from c.write()
+                    for ev in mine:
+                        ev.succeed()
+                    if not again[image]:
+                        break
+                    mine, waiting[image] = waiting[image], []
+                in_flight[image] = False
+                return
             if p.refill_per_s > 0:
                 yield env.timeout(1.0 / p.refill_per_s)
             if live[0]:
@@ -163,64 +224,73 @@ def simulate(mode: str, *, images: int, rollouts: int, params: SimParams | None 
         for i in window:
             yield from c.write()  # template
             yield from c.write()  # warm pool
-        starts = [env.process(replica(i)) for i in window for _ in range(rollouts)]
-        yield simpy.AllOf(env, starts)
+        held = dict.fromkeys(window, rollouts) if p.exact else slots
+        yield simpy.AllOf(env, [env.process(replica(i)) for i in window for _ in range(held[i])])
 
         def rollout(image: str) -> Iterator[simpy.Event]:
-            with gate.request() as g:
-                yield g
-                t0 = env.now
-                yield from c.write()  # claim
-                with c.controller.request() as w:
-                    yield w
-                    yield env.timeout(c.lat(p.controller_s))
-                node = yield ready[image].get()
-                env.process(refill(image))
-                if not p.presessions:
-                    yield env.timeout(c.lat(p.agent_s) + c.lat(p.record_s))
-                yield command(c)
-                ttfc.append(env.now - t0)
-                yield env.timeout(c.lat(p.think_s))
-                yield command(c)
-                c.stop_pod(image, node)
+            t0 = env.now
+            yield from c.write()  # claim
+            with c.controller.request() as w:
+                yield w
+                yield from c.op(p.controller_s, p.cpu_claim_s)
+            node = yield ready[image].get()
+            env.process(refill(image))
+            if not p.presessions:
+                yield from c.agent_start()
+            yield from c.command(mode == "pods")
+            ttfc.append(env.now - t0)
+            yield from c.command(mode == "pods")  # the round trip, again
+            yield env.timeout(c.lat(p.think_s))
+            yield from c.command(mode == "pods")
+            c.stop_pod(image, node)
 
-        yield simpy.AllOf(env, [env.process(rollout(i)) for i in window for _ in range(rollouts)])
+        yield lanes(window, slots, rollout)
         live[0] = False
         for _ in range(max(1, int(len(window) * rollouts * p.delete_batch_s / 10))):
             yield from c.write()  # batched deletes of the window's claims and pools
 
     def reuse_window(c: Cluster, window: list[str], node_of: dict) -> Iterator[simpy.Event]:
-        def lane(image: str) -> Iterator[simpy.Event]:
-            yield from c.write()  # the image's Sandbox object
-            node = yield from c.start_pod(image, c.nodes[node_of[image]])
-            yield env.timeout(c.lat(p.agent_s) + c.lat(p.record_s))
-            for _ in range(rollouts):
-                with gate.request() as g:
-                    yield g
-                    t0 = env.now
-                    yield command(c)
-                    ttfc.append(env.now - t0)
-                    yield env.timeout(c.lat(p.think_s))
-                    yield command(c)
-                    yield env.timeout(c.lat(p.reset_s))
-            c.stop_pod(image, node)
+        node_by: dict[str, Node] = {}
 
-        yield simpy.AllOf(env, [env.process(lane(i)) for i in window])
+        def sandbox(image: str) -> Iterator[simpy.Event]:
+            yield from c.write()  # the image's Sandbox object
+            node_by[image] = yield from c.start_pod(image, c.nodes[node_of[image]])
+            yield from c.agent_start()
+
+        def rollout(image: str) -> Iterator[simpy.Event]:
+            t0 = env.now
+            yield from c.command(mode == "pods")
+            ttfc.append(env.now - t0)
+            yield from c.command(mode == "pods")  # the round trip, again
+            yield env.timeout(c.lat(p.think_s))
+            yield from c.command(mode == "pods")
+            yield from c.op(p.reset_s, p.cpu_reset_s)
+
+        yield simpy.AllOf(env, [env.process(sandbox(i)) for i in window])
+        yield lanes(window, dict.fromkeys(window, 1), rollout)
+        for i in window:
+            c.stop_pod(i, node_by[i])
         for _ in range(max(1, int(len(window) / 20))):
             yield from c.write()  # batched deletes
 
+    def preflight(c: Cluster) -> Iterator[simpy.Event]:
+        for _ in range(p.preflight_writes if mode != "pods" else p.preflight_writes_pods):
+            yield from c.write()  # SelfSubjectAccessReviews (and the controller probe)
+
+    env.run(until=simpy.AllOf(env, [env.process(preflight(c)) for c in cl]))
     if mode == "pods":
-        done = simpy.AllOf(env, [env.process(pods_rollout(i)) for i in names
-                                 for _ in range(rollouts)])
+        slots = strategy.plan(dict.fromkeys(names, rollouts), conc)
+        done = lanes(names, slots, pods_rollout)
     else:
-        done = env.process(runplace_windows(warm_window if mode == "warm" else reuse_window))
+        done = env.process(run_windows(warm_window if mode == "warm" else reuse_window))
     env.run(until=done)
     return SimResult(
         mode=mode, images=images, rollouts=rollouts, clusters=clusters, ttfc_samples=ttfc,
         pods_created=sum(c.pods for c in cl), sandpool_writes=sum(c.writes for c in cl),
         all_writes=sum(c.all_writes + c.writes for c in cl),
         retried_429=sum(c.retried for c in cl), wall_s=env.now, windows=windows_n[0],
-        rate_lowest=min(c.rate.lowest for c in cl))
+        rate_lowest=min(c.rate.lowest for c in cl), prepulls=prepulls[0],
+        pulls=sum(n.pulls for c in cl for n in c.nodes), cpu_s=sum(c.cpu_used for c in cl))
 
 
 def error(predicted: float, measured: float) -> float:
