@@ -43,17 +43,18 @@ class Batch:
         self.left: dict[str, int] = {}  # image -> its announced claims still to come
         self._locks: dict[str, asyncio.Lock] = {}
 
-    async def size(self, image: str, claims: int, warm: int, *, reuse: bool) -> int:
-        """Apply the warm target of ``image`` for a batch of ``claims`` claims, the
-        strategy's own target being ``warm``; return how many the pool keeps itself (as
-        :meth:`Backend.set_warm_target`).
+    async def size(self, image: str, claims: int | None, warm: int, *, reuse: bool) -> int:
+        """Apply the warm target of ``image``, the strategy's own being ``warm``, for a batch
+        of ``claims`` claims (None: no batch, a standing warm pool refilled after every
+        claim); return how many the pool keeps itself (as :meth:`Backend.set_warm_target`).
 
         A backend that holds the warm pool gets ``claims`` and the image is followed
         (:meth:`claimed`); one that leaves it to the pool gets ``warm`` as without a batch.
         """
-        if reuse or not warm or claims <= warm:
+        self.left.pop(image, None)
+        if claims is None or reuse or not warm or claims <= warm:
             kept = await self.backend.set_warm_target(image, warm, reuse=reuse)
-            if not kept and warm and not reuse:
+            if claims is not None and not kept and warm and not reuse:
                 self.left[image] = claims
             return kept
         if await self.backend.set_warm_target(image, claims, reuse=False):

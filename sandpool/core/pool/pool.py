@@ -173,10 +173,8 @@ class SandboxPool:
             tasks: The tasks about to run.
             concurrency: How many rollouts will run at once.
             rollouts_per_task: Rollouts each task will get (weights the per-image split).
-            exact: The tasks get exactly ``rollouts_per_task`` claims each (one batch): a
-                warm pool the backend holds is sized to the image's claims and lowered as
-                they are served (see :mod:`~sandpool.core.pool.batch`); default: a standing
-                warm pool of the split, refilled after every claim.
+            exact: The tasks get exactly ``rollouts_per_task`` claims each: a warm pool the
+                backend holds is sized to them (:mod:`~sandpool.core.pool.batch`).
             wait: Return only once every warm pool reached its target (or creation failed).
 
         Returns:
@@ -199,10 +197,8 @@ class SandboxPool:
         for image, n in slots.items():
             # The strategy's warm count for an empty image; the backend may hold it server-side.
             warm = self.strategy.deficit(target=n, idle=0, creating=0, leased=0, resetting=0)
-            self._batch.left.pop(image, None)
-            kept = await (self._batch.size(image, demand[image], warm, reuse=self.strategy.reuse)
-                          if exact else
-                          self.backend.set_warm_target(image, warm, reuse=self.strategy.reuse))
+            kept = await self._batch.size(image, demand[image] if exact else None, warm,
+                                          reuse=self.strategy.reuse)
             self._entries.image(image).target = kept if warm else n
         self._worker.assign()
         if wait:
