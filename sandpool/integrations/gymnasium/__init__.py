@@ -26,8 +26,8 @@ from sandpool.integrations.gymnasium.registration import ENV_ID, register_envs
 if TYPE_CHECKING:
     from sandpool.integrations.gymnasium._text import CHARSET, from_text
     from sandpool.integrations.gymnasium.background import BackgroundPool
+    from sandpool.integrations.gymnasium.config import EnvConfig
     from sandpool.integrations.gymnasium.env import SWEEnv
-    from sandpool.integrations.gymnasium.session import EnvConfig
     from sandpool.integrations.gymnasium.vector import SWEVectorEnv
 
 __all__ = ["CHARSET", "ENV_ID", "BackgroundPool", "EnvConfig", "SWEEnv", "SWEVectorEnv", "from_text",
@@ -37,7 +37,7 @@ _LAZY = {
     "CHARSET": "sandpool.integrations.gymnasium._text",
     "from_text": "sandpool.integrations.gymnasium._text",
     "BackgroundPool": "sandpool.integrations.gymnasium.background",
-    "EnvConfig": "sandpool.integrations.gymnasium.session",
+    "EnvConfig": "sandpool.integrations.gymnasium.config",
     "SWEEnv": "sandpool.integrations.gymnasium.env",
     "SWEVectorEnv": "sandpool.integrations.gymnasium.vector",
 }

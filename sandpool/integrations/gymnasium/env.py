@@ -36,7 +36,8 @@ from sandpool.core.pool import PoolLimits
 from sandpool.core.strategies import Strategy, get_strategy
 from sandpool.core.task import Task
 from sandpool.integrations.gymnasium.background import BackgroundPool, check_backend
-from sandpool.integrations.gymnasium.session import EnvConfig, Session, load_task_list, make_spaces
+from sandpool.integrations.gymnasium.config import EnvConfig, load_task_list, make_spaces
+from sandpool.integrations.gymnasium.session import Session
 
 __all__ = ["SWEEnv"]
 

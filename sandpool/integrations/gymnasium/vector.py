@@ -58,14 +58,10 @@ from sandpool.core.pool import PoolLimits
 from sandpool.core.strategies import Strategy
 from sandpool.core.task import Task
 from sandpool.integrations.gymnasium.background import BackgroundPool
+from sandpool.integrations.gymnasium.config import EnvConfig, load_task_list, make_spaces
+from sandpool.integrations.gymnasium.draws import GroupDraws
 from sandpool.integrations.gymnasium.env import _Owner, owner_for
-from sandpool.integrations.gymnasium.session import (
-    EnvConfig,
-    Session,
-    StepOutput,
-    load_task_list,
-    make_spaces,
-)
+from sandpool.integrations.gymnasium.session import Session, StepOutput
 
 __all__ = ["SWEVectorEnv"]
 
@@ -140,7 +136,6 @@ class SWEVectorEnv(VectorEnv):
         self.metadata = {**type(self).metadata, "autoreset_mode": mode}
         self.render_mode = None
         self.tasks = load_task_list(tasks)
-        self._by_id = {t.instance_id: t for t in self.tasks}
         self.config = EnvConfig(max_steps=max_steps, step_timeout=step_timeout,
                                 grade_timeout=grade_timeout, max_output_chars=max_output_chars,
                                 max_action_chars=max_action_chars, max_problem_chars=max_problem_chars,
@@ -157,15 +152,13 @@ class SWEVectorEnv(VectorEnv):
                                 working_set=len({t.image for t in self.tasks}) * group_size)
         self._finalizer = weakref.finalize(self, _Owner.close, self._owner)
         self._sessions: list[Session] = []
-        self._rngs: list[np.random.Generator] = []
         self._env_obs: list[dict[str, Any] | None] = [None] * num_envs
         self._observations = create_empty_array(self.single_observation_space, n=num_envs)
         self._autoreset = np.zeros(num_envs, dtype=np.bool_)
         self._started = np.zeros(num_envs, dtype=np.bool_)
         self.group_size = group_size
         self.lookahead = lookahead
-        self._rounds = [0] * num_envs  # draws taken by each sub-env
-        self._draws: dict[tuple[int, int], list[Any]] = {}  # (group, round) -> [task, takers left]
+        self._draws = GroupDraws(self.tasks, num_envs, group_size, lookahead)
 
     def __repr__(self) -> str:
         return f"<SWEVectorEnv num_envs={self.num_envs} {self.autoreset_mode.value} tasks={len(self.tasks)}>"
@@ -197,37 +190,12 @@ class SWEVectorEnv(VectorEnv):
             self._owner.sessions.extend(self._sessions)
         return runner
 
-    def _pick(self, i: int, task_id: str | None) -> Task:
-        if task_id is not None:
-            try:
-                return self._by_id[task_id]
-            except KeyError:
-                raise errors.ConfigError(f"task id {task_id!r} is not among this env's tasks") from None
-        group, k = divmod(i, self.group_size)[0], self._rounds[i]
-        self._rounds[i] += 1
-        draw = self._draw(group, k)
-        if self.lookahead:
-            self._draw(group, k + 1)
-        draw[1] -= 1
-        if draw[1] == 0:
-            del self._draws[(group, k)]
-        return draw[0]
-
-    def _draw(self, group: int, k: int) -> list[Any]:
-        """Round ``k``'s draw of ``group``, made once, by the group's first sub-env's
-        generator."""
-        key = (group, k)
-        if key not in self._draws:
-            rng = self._rngs[group * self.group_size]
-            self._draws[key] = [self.tasks[int(rng.integers(len(self.tasks)))], self.group_size]
-        return self._draws[key]
-
     def _prefetch(self, runner: BackgroundPool, now: list[Task]) -> None:
         """Warm the draws not yet taken (the next rounds). ``now``, the first round, is
         warmed with them and waited for: its claims are then warm, as after ``prepare``."""
         if not self.lookahead:
             return
-        pending = [t for t, left in self._draws.values() for _ in range(left)]
+        pending = self._draws.pending()
         if not now:
             runner.prefetch(pending, concurrency=self.num_envs)
             return
@@ -298,17 +266,10 @@ class SWEVectorEnv(VectorEnv):
         task_ids = list(options.pop("task_ids", [None] * self.num_envs))
         if len(task_ids) != self.num_envs:
             raise ValueError(f"options['task_ids'] has {len(task_ids)} entries; num_envs is {self.num_envs}")
-        if not self._rngs:
-            self._rngs = [np.random.default_rng(self.np_random.integers(2**63)) for _ in range(self.num_envs)]
-        for i, s in enumerate(seeds):
-            if s is not None and mask[i]:
-                self._rngs[i] = np.random.default_rng(s)
-                if i % self.group_size == 0:  # the group's draws come from the new seed
-                    g = i // self.group_size
-                    self._draws = {key: d for key, d in self._draws.items() if key[0] != g}
+        self._draws.seed(self.np_random, seeds, mask)
         runner = self._ensure_sessions()
         idx = [i for i in range(self.num_envs) if mask[i]]
-        tasks = [self._pick(i, task_ids[i]) for i in idx]
+        tasks = [self._draws.pick(i, task_ids[i]) for i in idx]
         self._prefetch(runner, tasks if not self._started.any() else [])
         results = self._gather(runner, [self._sessions[i].reset(t) for i, t in zip(idx, tasks)])
         infos: dict[str, Any] = {}
@@ -370,7 +331,7 @@ class SWEVectorEnv(VectorEnv):
                 f"sub-envs {ended} ended; reset them with reset(options={{'reset_mask': mask}})")
         runner = self.pool
         resetting = self._autoreset.copy()
-        coros = [self._sessions[i].reset(self._pick(i, None)) if resetting[i]
+        coros = [self._sessions[i].reset(self._draws.pick(i, None)) if resetting[i]
                  else self._sessions[i].step(acts[i]) for i in range(self.num_envs)]
         if resetting.any():
             self._prefetch(runner, [])
