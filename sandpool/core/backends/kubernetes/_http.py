@@ -4,9 +4,10 @@ kubernetes_asyncio loads the kubeconfig (TLS client certificates, bearer tokens,
 plugins) and builds the TLS session; requests go straight over that session so that
 throttling, retries and error translation sit in one place:
 
-* writes (POST/PUT/PATCH/DELETE) pass the cluster's write bucket, whose rate adapts to the
-  cluster's answers (:class:`~sandpool.core.rate.AdaptiveRate`: 429, ``Retry-After``, 5xx,
-  refused connections and slow writes back it off; fast writes bring it back to ``qps``);
+* writes (POST/PUT/PATCH/DELETE) pass the cluster's write bucket
+  (:class:`~._throttle.Throttle`), whose rate adapts to the cluster's answers
+  (:class:`~sandpool.core.rate.AdaptiveRate`: 429, ``Retry-After``, 5xx, refused
+  connections and slow writes back it off; fast writes bring it back to ``qps``);
 * every REST request holds one of ``max_inflight`` slots (watches and exec streams do not);
 * 429, 5xx and connection errors are retried with exponential backoff and jitter, and a
   ``Retry-After`` header sets the wait; after ``retries`` retries the error is raised;
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -27,91 +27,13 @@ import aiohttp
 from sandpool.core import errors
 from sandpool.core.backends.kubernetes._errors import RETRY_STATUSES, Channel, for_status, translate
 from sandpool.core.backends.kubernetes._kubeconfig import load_api_client
-from sandpool.core.rate import AdaptiveRate, RateControl
+from sandpool.core.backends.kubernetes._throttle import Throttle, backoff_delay, parse_retry_after
 from sandpool.core.telemetry import NO_METRICS, Telemetry
 
+# Throttle and the backoff are :mod:`._throttle`'s; named here too for callers that build a KubeHttp.
 __all__ = ["KubeHttp", "Throttle", "backoff_delay", "parse_retry_after"]
 
 _WRITE_VERBS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
-
-
-def parse_retry_after(value: str | None, *, cap: float = 30.0) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds form), capped; else None."""
-    if not value:
-        return None
-    try:
-        return min(cap, max(0.0, float(value.strip())))
-    except ValueError:
-        return None  # the HTTP-date form is not sent by kube-apiserver
-
-
-def backoff_delay(
-    attempt: int, *, base: float = 0.1, cap: float = 5.0, retry_after: float | None = None
-) -> float:
-    """Delay in seconds before retry ``attempt`` (1-based): ``Retry-After`` if given, plus up
-    to half of it again as jitter (APF gives every request it rejects in a moment the same
-    ``Retry-After``: waiting exactly that long brings them all back at once, to be rejected
-    again), else ``base * 2**(attempt-1)`` capped at ``cap``, with up to 50 % full jitter."""
-    if retry_after is not None:
-        return retry_after * (1 + random.random() / 2)
-    d = min(cap, base * (2 ** (attempt - 1)))
-    return d * (0.5 + random.random() / 2)
-
-
-class Throttle:
-    """Client-side bounds on one cluster's API traffic: a write bucket and an in-flight cap.
-
-    Usage: ``async with throttle.slot(write=True): ...`` around one request.
-
-    Args:
-        qps: Writes per second at the start, and the most the adaptive rate climbs back to.
-        burst: Writes allowed back to back at ``qps`` (bucket size).
-        max_inflight: Requests in flight at once (reads and writes).
-        adaptive: Let the write rate follow the cluster's answers (:mod:`sandpool.core.rate`);
-            False keeps ``qps`` fixed.
-        cluster: The cluster's name in reports and metrics ("": the API server's host, set
-            when the client opens).
-    """
-
-    def __init__(self, qps: float, burst: int, max_inflight: int, *, adaptive: bool = True,
-                 cluster: str = "") -> None:
-        if qps <= 0 or burst < 1 or max_inflight < 1:
-            raise errors.ConfigError(
-                f"qps={qps}, burst={burst}, max_inflight={max_inflight}: all must be positive"
-            )
-        self.qps, self.burst, self.max_inflight = qps, burst, max_inflight
-        self.rate = AdaptiveRate(RateControl(qps, burst, adaptive=adaptive,
-                                             min_rate=min(0.5, qps)), cluster=cluster)
-        self._inflight = asyncio.Semaphore(max_inflight)
-        self.inflight_peak = 0
-        self._inflight_now = 0
-
-    def slot(self, *, write: bool) -> _Slot:
-        """A context manager holding one in-flight slot (and one write token if ``write``)."""
-        return _Slot(self, write)
-
-
-class _Slot:
-    def __init__(self, throttle: Throttle, write: bool) -> None:
-        self._t, self._write = throttle, write
-
-    async def __aenter__(self) -> None:
-        if self._write:
-            await self._t.rate.acquire()
-        try:
-            await self._t._inflight.acquire()
-        except BaseException:  # cancelled: the write never went out
-            if self._write:
-                self._t.rate.release()
-            raise
-        self._t._inflight_now += 1
-        self._t.inflight_peak = max(self._t.inflight_peak, self._t._inflight_now)
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._t._inflight_now -= 1
-        self._t._inflight.release()
-        if self._write:
-            self._t.rate.release()
 
 
 def resource_of(path: str) -> str:
