@@ -13,12 +13,18 @@ The content hash of a tree (:func:`hash_tree`; :func:`copy_tree` returns the sam
 sha256 of one canonical record per entry, in a pre-order walk with names sorted: its path,
 type (directory, file, symlink, fifo, whiteout), permission bits (setuid included), owner and
 group relative to the tree's id base, mtime (ns), user extended attributes and overlay's
-``opaque`` mark, and the sha256 of a file's bytes or a symlink's target. A whiteout records
+``opaque`` mark, and a file's content hash or a symlink's target. A whiteout records
 only its path. Sockets and device nodes other than whiteouts are not state a snapshot keeps
 (no process can recreate their meaning); they are skipped. The tree's root directory's own
 attributes are not part of the tree's hash (the caller records the root separately).
 
-Cost: every file's bytes are read once, when first seen, and an unchanged file's earlier copy
+A file's content hash is one sha256 over, for each 1 MiB chunk of it (at offsets counted from
+0) that is not all zeros, the chunk's offset and bytes, then the file's size. Holes read as zeros and are never
+read: a file of holes costs its sandbox's disk quota nothing, so reading, hashing or copying
+them would cost the host what the quota never charged. :func:`copy_tree` writes only the
+runs of data the source holds, so a copy takes no more blocks than its source.
+
+Cost: every file's data is read once, when first seen, and an unchanged file's earlier copy
 is hard-linked instead of copied (``_memo.FileMemo``): a snapshot costs O(entries) plus
 O(bytes changed since the last snapshot), and so does hashing a stack of layers again.
 
@@ -29,6 +35,7 @@ directories walked by name under an open parent.
 from __future__ import annotations
 
 import base64
+import bisect
 import errno
 import hashlib
 import os
@@ -46,6 +53,7 @@ __all__ = ["TreeHash", "copy_entry", "copy_tree", "entry_records", "hash_tree",
 _OPAQUE = "trusted.overlay.opaque"
 _NOBODY = 65534  # an owner outside the tree's range (none should be) is counted as nobody
 _CHUNK = 1 << 20
+_ZERO = bytes(_CHUNK)
 
 
 @dataclass(frozen=True)
@@ -154,19 +162,62 @@ def _walk(root: str) -> Iterator[tuple[str, str, os.stat_result]]:
         todo.extend(reversed(kids))
 
 
+def _extents(fd: int, size: int) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of the file's data below ``size``, as ``SEEK_DATA`` /
+    ``SEEK_HOLE`` find them (a filesystem that keeps no holes reports all of it)."""
+    out, off = [], 0
+    while off < size:
+        try:
+            start = os.lseek(fd, off, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only holes past ``off``
+                break
+            raise
+        if start >= size:
+            break
+        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        out.append((start, end))
+        off = end
+    return out
+
+
 def _hash_file(path: str, dst_fd: int | None = None) -> str:
+    """The file's content hash (see the module docstring), reading only its data; with
+    ``dst_fd``, its data is also written there at the same offsets and the copy given the
+    file's size, so the copy's holes are the file's."""
     h = hashlib.sha256()
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        while chunk := os.read(fd, _CHUNK):
-            h.update(chunk)
-            if dst_fd is not None:
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(dst_fd, view):]
+        size = os.fstat(fd).st_size
+        extents = _extents(fd, size)
+        starts = [a for a, _ in extents]
+        done = 0  # the chunks below this offset are hashed
+        for start, end in extents:
+            for off in range(max(done, start - start % _CHUNK), end, _CHUNK):
+                chunk = os.pread(fd, _CHUNK, off)
+                if chunk != _ZERO[:len(chunk)]:
+                    h.update(off.to_bytes(8, "big"))
+                    h.update(chunk)
+                if dst_fd is not None:  # only what the file holds, not the holes in its chunk
+                    for a, b in extents[max(0, bisect.bisect_right(starts, off) - 1):]:
+                        if a >= off + len(chunk):
+                            break
+                        lo, hi = max(a, off), min(b, off + len(chunk))
+                        if lo < hi:
+                            _write_all(dst_fd, memoryview(chunk)[lo - off:hi - off], lo)
+                done = off + _CHUNK
+        h.update(b"size" + size.to_bytes(8, "big"))
+        if dst_fd is not None:
+            os.ftruncate(dst_fd, size)
     finally:
         os.close(fd)
     return h.hexdigest()
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _leaf_payload(kind: str, path: str, st: os.stat_result, memo: FileMemo | None, store: bool) -> str:
