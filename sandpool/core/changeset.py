@@ -1,7 +1,7 @@
 """Snapshots as change sets: for sandboxes whose reset keeps a pristine record (pods).
 
 A pod's filesystem cannot be read from the host, but the in-place reset keeps, in this process,
-a record of the fresh repo (:func:`sandpool.core.reset.pristine_record`: every path's type,
+a record of the fresh repo (:func:`sandpool.core.pristine.pristine_record`: every path's type,
 mode and link target, every file's sha256, and its ctime and size). A snapshot is the
 *change set* against that record, produced in the pod by a stdlib script run through the
 sandbox's agent:
@@ -47,7 +47,7 @@ from types import MappingProxyType
 
 from sandpool.core import errors
 from sandpool.core.agent.sandbox import AgentSandbox
-from sandpool.core.reset import Pristine, pristine_record
+from sandpool.core.pristine import Pristine, pristine_record
 from sandpool.core.snapshot import Snapshot
 
 __all__ = ["CHUNK", "MAX_BYTES", "capture", "discard", "load", "remove_store", "state_hash"]

@@ -22,7 +22,7 @@ from sandpool.core.backends.kubernetes._presession import Presessions
 from sandpool.core.backends.kubernetes._sandbox import KubernetesSandbox
 from sandpool.core.backends.kubernetes._session import AgentSession, AgentUnavailable
 from sandpool.core.backends.kubernetes._watch import Informer
-from sandpool.core.reset import adopt_record
+from sandpool.core.pristine import adopt_record
 from sandpool.core.service import ServiceSpec
 
 __all__ = ["LiveSandboxes"]
