@@ -2,7 +2,7 @@
 
 For each package: build its image directory (:func:`build_image`), run its whole suite at the
 clean commit in real sandboxes, then try seeded-random mutants (:mod:`.mutate`) one by one,
-each in a sandbox. A mutant becomes a task when some tests that passed on the clean commit now
+each in a sandbox (:mod:`.mine`). A mutant becomes a task when some tests that passed on the clean commit now
 fail (``FAIL_TO_PASS``), and the rest still pass (``PASS_TO_PASS``). Its buggy tree is
 committed on top of the clean commit in the package repo, and the gold ``patch`` is
 ``git diff <mutant> <clean>``. The task then gets an image of its own
@@ -17,7 +17,6 @@ changed recipe builds a new pack while an unchanged one returns at once.
 from __future__ import annotations
 
 import asyncio
-import glob
 import hashlib
 import json
 import os
@@ -25,15 +24,12 @@ import random
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandpool.core import errors
 from sandpool.core.backends.local import LocalBackend
-from sandpool.core.base import Sandbox
 from sandpool.core.paths import sandpool_home
 from sandpool.core.task import Task
-from sandpool.envs.grading import TestStatus, parse_test_log_details, pytest_command, pytest_env
 from sandpool.envs.taskpack.image import (
     build_image,
     build_task_image,
@@ -42,7 +38,7 @@ from sandpool.envs.taskpack.image import (
     image_complete,
     image_path,
 )
-from sandpool.envs.taskpack.mutate import Mutation, find_mutations, select_mutations
+from sandpool.envs.taskpack.mine import Mutant, mine
 from sandpool.envs.taskpack.progress import BuildEvent, ProgressCallback
 from sandpool.envs.taskpack.spec import DEFAULT_PACKAGES, PYTEST_PIN, PackageSpec
 
@@ -50,15 +46,6 @@ __all__ = ["abuild_default_pack", "abuild_pack", "build_default_pack", "build_pa
 
 #: Bump when the way tasks are made changes; it is part of every pack's digest.
 PACK_FORMAT = "4"
-_MAX_LOG = 64 << 20
-
-
-@dataclass
-class _Mutant:
-    mutation: Mutation
-    fail_to_pass: list[str]
-    pass_to_pass: list[str]
-    messages: dict[str, str] = field(default_factory=dict)
 
 
 def _digest(packages: Sequence[PackageSpec], tasks_per_package: int, seed: int,
@@ -91,115 +78,6 @@ async def _pack_is_complete(pack_dir: Path, digest: str, images_root: Path) -> b
     return True
 
 
-_Log = dict[str, tuple[TestStatus, str]]
-
-
-async def _run_suite(sb: Sandbox, spec: PackageSpec,
-                     timeout: float) -> tuple[int, _Log, float, bool]:
-    """Run the package's whole suite; return (exit code, parsed log, seconds, timed out)."""
-    res = await sb.exec(pytest_command(spec.tests), timeout=timeout, env=pytest_env(),
-                        max_output=_MAX_LOG)
-    if res.stdout_truncated:
-        raise errors.ExecTransportError(f"{spec.dist}: test log over {_MAX_LOG} bytes was cut")
-    return res.exit_code, parse_test_log_details(res.text), res.duration_s, res.timed_out
-
-
-async def _restore(sb: Sandbox) -> None:
-    res = await sb.exec("git reset -q --hard && git clean -qfdx", timeout=120)
-    if not res.ok:
-        raise errors.SandboxStartError(
-            f"sandbox {sb.id}: could not restore the clean tree: {res.err_text}")
-
-
-def _candidates(spec: PackageSpec, repo: Path,
-                rng: random.Random) -> tuple[list[Mutation], dict[str, bytes]]:
-    sources: dict[str, bytes] = {}
-    for pattern in spec.sources:
-        matches = sorted(glob.glob(pattern, root_dir=repo))
-        if not matches:
-            raise errors.ConfigError(
-                f"{spec.dist}: sources pattern {pattern!r} matches no file in the sdist; "
-                "fix PackageSpec.sources (paths are relative to the sdist root)"
-            )
-        for rel in matches:
-            if rel.endswith(".py"):
-                sources[rel] = (repo / rel).read_bytes()
-    found = [m for rel, src in sources.items() for m in find_mutations(rel, src, validate=False)]
-    return select_mutations(found, rng, per_function=spec.per_function), sources
-
-
-async def _mine(
-    spec: PackageSpec, repo: Path, backend: LocalBackend, wanted: int, rng: random.Random, *,
-    workers: int, max_fail_fraction: float, max_candidates: int, emit: ProgressCallback,
-) -> list[_Mutant]:
-    """Find up to ``wanted`` valid mutants of ``spec``, trying candidates in seeded order."""
-    candidates, sources = _candidates(spec, repo, rng)
-    candidates = candidates[:max_candidates]
-    sandboxes = list(await asyncio.gather(*(backend.create(spec.image) for _ in range(workers))))
-    try:
-        emit(BuildEvent(spec.dist, "baseline", 0, wanted, "running the clean suite"))
-        baselines = await asyncio.gather(*(_run_suite(sb, spec, 900.0) for sb in sandboxes[:2]))
-        passing = [t for t, (s, _) in baselines[0][1].items()  # passed in both runs: not flaky
-                   if s.passed and all(t in b[1] and b[1][t][0].passed for b in baselines)]
-        if not passing:
-            raise errors.ConfigError(
-                f"{spec.dist}: no test passes at the clean commit (exit {baselines[0][0]}); "
-                "fix PackageSpec.tests or PackageSpec.requirements"
-            )
-        # A mutant may loop forever; it is cut off at a few times the clean suite's duration.
-        run_timeout = max(30.0, 4 * max(b[2] for b in baselines))
-        results: dict[int, _Mutant | None] = {}
-        cursor = 0
-
-        def enough() -> bool:
-            valid = 0
-            for i in range(len(candidates)):
-                if i not in results:
-                    return False
-                valid += results[i] is not None
-                if valid >= wanted:
-                    return True
-            return True
-
-        async def attempt(sb: Sandbox, m: Mutation) -> _Mutant | None:
-            if not m.is_effective(sources[m.path]):
-                return None
-            await sb.write_file(m.path, m.apply(sources[m.path]))
-            try:
-                code, log, _, timed_out = await _run_suite(sb, spec, run_timeout)
-                if timed_out or code != 1:
-                    return None  # 0: no test noticed; 2-5: collection/usage errors; timeouts
-                broken = [t for t in passing if not (t in log and log[t][0].passed)]
-                if not broken or len(broken) > max_fail_fraction * len(passing):
-                    return None
-                # A flaky test can fail once by chance: keep only tests that fail again.
-                again = await sb.exec(pytest_command(broken), timeout=run_timeout, env=pytest_env(),
-                                      max_output=_MAX_LOG)
-                relog = parse_test_log_details(again.text)
-                broken = [t for t in broken if not (t in relog and relog[t][0].passed)]
-                if not broken or again.timed_out:
-                    return None
-            finally:
-                await _restore(sb)
-            gone = set(broken)
-            return _Mutant(m, broken, [t for t in passing if t not in gone],
-                           {t: log[t][1] for t in broken if t in log})
-
-        async def worker(sb: Sandbox) -> None:
-            nonlocal cursor
-            while cursor < len(candidates) and not enough():
-                i, cursor = cursor, cursor + 1
-                results[i] = await attempt(sb, candidates[i])
-                found = sum(r is not None for r in results.values())
-                emit(BuildEvent(spec.dist, "mutants", min(found, wanted), wanted,
-                                f"tried {len(results)}/{len(candidates)} candidates"))
-
-        await asyncio.gather(*(worker(sb) for sb in sandboxes))
-    finally:
-        await asyncio.gather(*(backend.delete(sb) for sb in sandboxes))
-    return [r for _, r in sorted(results.items()) if r is not None][:wanted]
-
-
 _CLOSINGS = (
     ("The tests are right; the library code is wrong. Please fix it so these tests pass "
      "again without breaking the rest of the suite."),
@@ -214,7 +92,7 @@ def _subject(test_id: str) -> str:
     return name.removeprefix("test_") or name
 
 
-def _problem_statement(spec: PackageSpec, mutant: _Mutant, rng: random.Random) -> str:
+def _problem_statement(spec: PackageSpec, mutant: Mutant, rng: random.Random) -> str:
     f2p = mutant.fail_to_pass
     subjects = list(dict.fromkeys(_subject(t) for t in f2p))
     subject = f"`{subjects[0]}`" if len(subjects) == 1 else f"`{subjects[0]}` and related behaviour"
@@ -245,7 +123,7 @@ def _problem_statement(spec: PackageSpec, mutant: _Mutant, rng: random.Random) -
     return "\n".join(lines) + "\n"
 
 
-async def _commit_task(spec: PackageSpec, repo: Path, clean: str, mutant: _Mutant, ref: str,
+async def _commit_task(spec: PackageSpec, repo: Path, clean: str, mutant: Mutant, ref: str,
                        sources: dict[str, bytes] | None = None) -> tuple[str, str]:
     """Commit the mutant tree on top of ``clean``; return (commit, gold patch)."""
     m = mutant.mutation
@@ -339,7 +217,7 @@ async def abuild_pack(
             for spec, img in zip(packages, image_dirs, strict=True):
                 repo = img / "repo"
                 rng = random.Random(f"{seed}:{spec.dist}:{spec.version}")
-                mutants = await _mine(spec, repo, backend, tasks_per_package, rng, workers=workers,
+                mutants = await mine(spec, repo, backend, tasks_per_package, rng, workers=workers,
                                       max_fail_fraction=max_fail_fraction,
                                       max_candidates=max_candidates, emit=emit)
                 clean = (await git(repo, "rev-parse", "refs/heads/main")).strip()
