@@ -115,6 +115,7 @@ def make(key, report_path, trusted_code=None):
     # encoder class by name at every call.
     escape, write, close, basename = json.encoder.encode_basestring_ascii, os.write, os.close, \
         os.path.basename
+    relpath, join = os.path.relpath, os.path.join
     b_vars, b_getattr, b_hasattr, b_isinstance, b_len, b_int, b_id, b_set, b_list = (
         vars, getattr, hasattr, isinstance, len, int, id, set, list)
     b_str, b_bool, b_tuple, b_dict, b_sorted, b_zip, b_all, b_type = (
@@ -128,7 +129,8 @@ def make(key, report_path, trusted_code=None):
         from _pytest.outcomes import XFailed
     except ImportError:
         XFailed = None
-    run = {"config": None, "sealed": False, "watched": _watched(), "dispatch": None}
+    run = {"config": None, "sealed": False, "watched": _watched(), "dispatch": None,
+           "root": None, "cwd": None}
     impls = {}  # hook name -> impl functions registered before collection (and conftest.py's)
     items = {}  # node id -> (the test's function, its code, the item's class) when collected
     swapped = []  # what was replaced under pytest during the run, one sentence each
@@ -206,9 +208,21 @@ def make(key, report_path, trusted_code=None):
     def snapshot():
         run["watched"] = _watched()
 
+    def shown(nodeid):
+        # A node id is relative to pytest's rootdir (the directory of the configuration file it
+        # found, e.g. tests/pytest.ini); its log, and so a dataset's test ids, name the test
+        # relative to the directory pytest ran in, as Config.cwd_relative_nodeid does.
+        base, sep, rest = nodeid.partition("::")
+        if not base or run["root"] is None or run["root"] == run["cwd"]:
+            return nodeid
+        return relpath(join(run["root"], base), run["cwd"]) + sep + rest
+
     def pytest_configure(config):
         if run["config"] is None:
             run["config"] = config
+            params = b_getattr(config, "invocation_params", None)
+            run["root"] = b_str(b_getattr(config, "rootpath", None) or config.rootdir)
+            run["cwd"] = b_str(params.dir if params is not None else config.invocation_dir)
             import pytest
             emit({"ev": "start", "pid": os.getpid(), "pytest": getattr(pytest, "__version__", "?"),
                   "python": sys.version.split()[0]})
@@ -222,7 +236,7 @@ def make(key, report_path, trusted_code=None):
 
     def pytest_collectreport(report):
         if run["config"] is not None and report.failed:
-            emit({"ev": "collect_error", "nodeid": report.nodeid})
+            emit({"ev": "collect_error", "nodeid": shown(report.nodeid)})
 
     def pytest_itemcollected(item):
         # As each item is made, before any hook may rewrite the collection.
@@ -243,7 +257,7 @@ def make(key, report_path, trusted_code=None):
     def pytest_collection_finish(session):
         if ours(session.config):
             emit({"ev": "collected", "n": b_len(session.items),
-                  "ids": [item.nodeid for item in session.items]})
+                  "ids": [shown(item.nodeid) for item in session.items]})
 
     def pytest_runtest_makereport(item, call):
         # An XFAIL counts as a pass (as SWE-bench counts it): only the test may decide that its
@@ -267,7 +281,7 @@ def make(key, report_path, trusted_code=None):
     def pytest_runtest_logreport(report):
         if run["config"] is None:
             return
-        record = {"ev": "test", "nodeid": report.nodeid, "when": report.when,
+        record = {"ev": "test", "nodeid": shown(report.nodeid), "when": report.when,
                   "outcome": report.outcome, "xfail": b_hasattr(report, "wasxfail"),
                   "longrepr": report.longrepr is not None}
         if record["xfail"] and report.nodeid in xfail_by:
