@@ -1,7 +1,8 @@
 """OpenHands on pooled sandboxes: three routes, one per module.
 
 * Agent loop on the host, tools in the sandbox (openhands-sdk / -tools 1.58):
-  :func:`run_conversation`, :func:`openhands_episode` (``conversation.py``, ``tools.py``).
+  :func:`run_conversation`, :func:`openhands_episode` (``conversation.py``, ``tools.py``,
+  ``editor.py``).
 * The agent-server inside the sandbox (1.58): :class:`SandpoolWorkspace`, an OpenHands
   ``RemoteWorkspace`` (``workspace.py``), over a local backend started with
   :func:`agent_server_service` (``server.py``) and reached through :class:`UnixRelay`, or
@@ -30,7 +31,7 @@ _WHERE = {
     "openhands_episode": "conversation",
     "run_conversation": "conversation",
     "task_instruction": "conversation",
-    "SandboxFileEditorExecutor": "tools",
+    "SandboxFileEditorExecutor": "editor",
     "SandboxLink": "tools",
     "SandboxTerminalExecutor": "tools",
     "sandbox_tool_specs": "tools",

@@ -30,8 +30,8 @@ from pydantic_core import PydanticSerializationError
 from sandpool.core import errors
 from sandpool.core.pool import Lease
 from sandpool.core.rollout import Episode
+from sandpool.integrations.openhands.editor import SandboxFileEditorExecutor
 from sandpool.integrations.openhands.tools import (
-    SandboxFileEditorExecutor,
     SandboxLink,
     SandboxTerminalExecutor,
     sandbox_tool_specs,
