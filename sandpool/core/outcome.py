@@ -1,8 +1,8 @@
 """What a rollout's end is: the rollout accountant's outcome table.
 
-:func:`~sandpool.core.classify.classify` says whose a failure is; this module turns that, or a
-grader's :class:`Score`, into the rollout's outcome, its reward, its error kind and whether
-its sandbox may be reused (an :class:`Ending`). The accountant
+:func:`~sandpool.core.classify.classify` says whose a failure is; this module turns that, or the
+:class:`Score` a :class:`Grader` gives, into the rollout's outcome, its reward, its error kind
+and whether its sandbox may be reused (an :class:`Ending`). The accountant
 (:mod:`sandpool.core.rollout`) records it, so one event has one outcome on every adapter:
 
 ========================================================  ================  =======
@@ -30,13 +30,19 @@ the run stops. Never is an infra event a reward, and never is a policy failure d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 from sandpool.core import errors
 from sandpool.core.classify import classify, error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
 from sandpool.core.telemetry import Telemetry
 
-__all__ = ["Ending", "Score", "ending_of", "ends_rollout", "repeat_result", "scored", "unrun_result"]
+if TYPE_CHECKING:
+    from sandpool.core.pool import Lease
+    from sandpool.core.task import Task
+
+__all__ = ["Ending", "Grader", "Score", "ending_of", "ends_rollout", "repeat_result", "scored",
+           "unrun_result"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,21 @@ class Score:
     def __post_init__(self) -> None:
         if not 0.0 <= self.reward <= 1.0:
             raise ValueError(f"Score.reward={self.reward}: must be within 0.0 .. 1.0")
+
+
+class Grader(Protocol):
+    """Grades a rollout's submission: the policy's change, scored on a pristine sandbox.
+
+    ``capture(lease, task)`` returns the policy's change to the repo as a patch (bounded),
+    raising ``TaskError`` when it cannot be taken as the policy left it (e.g. oversized).
+    ``score(sandbox, task, patch)`` scores it on ``sandbox``, verified pristine at
+    ``task.base_commit``, raising ``BrokenTaskError`` when the task cannot be graded as given.
+    Either raises ``InfraError`` when the sandbox fails.
+    """
+
+    async def capture(self, lease: Lease, task: Task) -> bytes: ...
+
+    async def score(self, sandbox: Lease, task: Task, patch: bytes) -> Score: ...
 
 
 @dataclass(frozen=True)

@@ -33,13 +33,13 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from sandpool.core import errors
 from sandpool.core.checkpoint import Checkpoints, StepLease
 from sandpool.core.classify import Verdict, classify, error_kind
 from sandpool.core.metrics import Outcome, RolloutResult
-from sandpool.core.outcome import Ending, Score, ending_of, ends_rollout, scored
+from sandpool.core.outcome import Ending, Grader, Score, ending_of, ends_rollout, scored
 from sandpool.core.pool import Lease, SandboxPool
 from sandpool.core.task import Task
 from sandpool.core.telemetry import Telemetry
@@ -54,21 +54,6 @@ T = TypeVar("T")
 
 _PROBE = "git rev-parse HEAD"  # the first command: ends TTFC, proves the repo is at base
 _PROBE_TIMEOUT_S = 30.0
-
-
-class Grader(Protocol):
-    """Grades a rollout's submission: the policy's change, scored on a pristine sandbox.
-
-    ``capture(lease, task)`` returns the policy's change to the repo as a patch (bounded),
-    raising ``TaskError`` when it cannot be taken as the policy left it (e.g. oversized).
-    ``score(sandbox, task, patch)`` scores it on ``sandbox``, verified pristine at
-    ``task.base_commit``, raising ``BrokenTaskError`` when the task cannot be graded as given.
-    Either raises ``InfraError`` when the sandbox fails.
-    """
-
-    async def capture(self, lease: Lease, task: Task) -> bytes: ...
-
-    async def score(self, sandbox: Lease, task: Task, patch: bytes) -> Score: ...
 
 
 class Rollout:
