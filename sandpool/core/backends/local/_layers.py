@@ -29,7 +29,9 @@ is hard-linked instead of copied (``_memo.FileMemo``): a snapshot costs O(entrie
 O(bytes changed since the last snapshot), and so does hashing a stack of layers again.
 
 Nothing here follows a symlink: entries are ``lstat``-ed, files opened with ``O_NOFOLLOW``, and
-directories walked by name under an open parent.
+directories walked by name. A tree may be deeper than a host path can name (a policy makes one
+``cd`` at a time): its deep entries are reached from an open descriptor of an ancestor
+(``_walk.Tree``), so a snapshot holds it as it is.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sandpool.core.backends.local._memo import FileMemo
+from sandpool.core.backends.local._walk import Tree, through_fd, walk
 from sandpool.core.images import ID_COUNT
 
 __all__ = ["TreeHash", "copy_entry", "copy_tree", "entry_records", "hash_tree",
@@ -142,26 +145,6 @@ def set_root(path: Path | str, record: str, base: int) -> None:
     os.utime(path, ns=(int(mtime), int(mtime)))
 
 
-def _walk(root: str) -> Iterator[tuple[str, str, os.stat_result]]:
-    """Pre-order, names sorted, never following a symlink: ``(rel, path, lstat)`` of every
-    entry below ``root``."""
-    todo = [""]
-    while todo:
-        rel = todo.pop()
-        d = os.path.join(root, rel) if rel else root
-        with os.scandir(d) as it:
-            names = sorted(e.name for e in it)
-        kids = []
-        for name in names:
-            r = f"{rel}/{name}" if rel else name
-            p = os.path.join(d, name)
-            st = os.lstat(p)
-            yield r, p, st
-            if stat.S_ISDIR(st.st_mode):
-                kids.append(r)
-        todo.extend(reversed(kids))
-
-
 def _extents(fd: int, size: int) -> list[tuple[int, int]]:
     """``(start, end)`` of each run of the file's data below ``size``, as ``SEEK_DATA`` /
     ``SEEK_HOLE`` find them (a filesystem that keeps no holes reports all of it)."""
@@ -236,7 +219,7 @@ def _leaf_payload(kind: str, path: str, st: os.stat_result, memo: FileMemo | Non
 
 def _records(root: str, base: int, memo: FileMemo | None, store: bool,
              prefix: str = "") -> Iterator[tuple[bytes, os.stat_result]]:
-    for rel, path, st in _walk(root):
+    for rel, path, st in walk(Tree(root)):
         kind = _kind(st)
         if kind is None:
             continue
@@ -299,7 +282,7 @@ def copy_entry(src: Path | str, dst: Path | str, *, src_base: int, dst_base: int
         copy_tree(src, dst, src_base=src_base, dst_base=dst_base)
         return
     if kind == "f":
-        _copy_file(src, dst, st, None, {})
+        _copy_file(src, os.path.basename(dst), Tree(os.path.dirname(dst)), st, None, {})
     elif kind == "l":
         os.symlink(os.readlink(src), dst)
     elif kind == "p":
@@ -347,66 +330,75 @@ def copy_tree(src: Path | str, dst: Path | str, *, src_base: int, dst_base: int,
     if not into:
         os.mkdir(dst, 0o700)
     h, size, n = hashlib.sha256(), 0, 0
-    links: dict[tuple[int, int], str] = {}
-    dirs: list[tuple[str, os.stat_result, dict[str, bytes]]] = []
-    for rel, path, st in _walk(src):
-        kind = _kind(st)
-        if kind is None:
-            continue
-        n += 1
-        out = os.path.join(dst, rel)
-        xattrs = _xattrs(path) if kind != "w" else {}
-        payload = ""
-        if kind == "d":
-            os.mkdir(out, 0o700)
-            dirs.append((out, st, xattrs))
-        elif kind == "w":
-            os.mknod(out, stat.S_IFCHR | 0o600, 0)
-        elif kind == "p":
-            os.mkfifo(out, 0o600)
-        elif kind == "l":
-            payload = os.readlink(path)
-            os.symlink(payload, out)
-        else:
-            size += st.st_size
-            payload, fresh = _copy_file(path, out, st, memo, links)
-            if fresh:  # a new copy: its attributes, then the memo (after its ctime settled)
-                _set_attrs(out, st, xattrs, src_base, dst_base)
-                if memo is not None:
-                    memo.put(st, payload, out)
-        if kind in ("l", "p"):  # a whiteout is overlayfs's, owned as it made it
-            _set_attrs(out, st, xattrs, src_base, dst_base)
-        h.update(_record(rel, kind, st, src_base, xattrs, payload))
-    for out, st, xattrs in reversed(dirs):  # deepest first: adding entries moved their mtimes
-        _set_attrs(out, st, xattrs, src_base, dst_base)
+    links: dict[tuple[int, int], str] = {}  # a file's (device, inode) -> the rel of its copy
+    out = Tree(dst)
+    dirs: dict[str, tuple[os.stat_result, dict[str, bytes]]] = {}  # on the walk's branch
+
+    def left(rel: str) -> None:  # its entries are made: its own attributes, mtime last
+        st, xattrs = dirs.pop(rel)
+        _set_attrs(out.path(rel), st, xattrs, src_base, dst_base)
+        out.leave(rel)
+
+    try:
+        for rel, path, st in walk(Tree(src), left):
+            kind = _kind(st)
+            if kind is None:
+                continue
+            n += 1
+            xattrs = _xattrs(path) if kind != "w" else {}
+            payload = ""
+            if kind == "d":
+                os.mkdir(out.path(rel), 0o700)
+                dirs[rel] = (st, xattrs)
+            elif kind == "w":
+                os.mknod(out.path(rel), stat.S_IFCHR | 0o600, 0)
+            elif kind == "p":
+                os.mkfifo(out.path(rel), 0o600)
+            elif kind == "l":
+                payload = os.readlink(path)
+                os.symlink(payload, out.path(rel))
+            else:
+                size += st.st_size
+                payload, fresh = _copy_file(path, rel, out, st, memo, links)
+                if fresh:  # a new copy: its attributes, then the memo (after its ctime settled)
+                    copy = out.path(rel)
+                    _set_attrs(copy, st, xattrs, src_base, dst_base)
+                    if memo is not None:  # a copy named through a descriptor is not kept
+                        memo.put(st, payload, None if through_fd(copy) else copy)
+            if kind in ("l", "p"):  # a whiteout is overlayfs's, owned as it made it
+                _set_attrs(out.path(rel), st, xattrs, src_base, dst_base)
+            h.update(_record(rel, kind, st, src_base, xattrs, payload))
+    finally:
+        out.close()
     if not into:
         _set_attrs(dst, os.lstat(src), _xattrs(src), src_base, dst_base)
     return TreeHash(h.hexdigest(), size, n)
 
 
-def _copy_file(path: str, out: str, st: os.stat_result, memo: FileMemo | None,
+def _copy_file(path: str, rel: str, out: Tree, st: os.stat_result, memo: FileMemo | None,
                links: dict[tuple[int, int], str]) -> tuple[str, bool]:
-    """Copy one file, or link it to an earlier copy of it; its sha256 and whether it is a new
-    copy (whose attributes the caller sets)."""
+    """Copy one file to ``rel`` under ``out``, or link it to an earlier copy of it; its
+    sha256 and whether it is a new copy (whose attributes the caller sets)."""
     ident = (st.st_dev, st.st_ino)
     if st.st_nlink > 1 and ident in links:  # a hard link within the tree stays one
-        os.link(links[ident], out)
-        sha = memo.sha(os.lstat(out), store=True) if memo is not None else None
-        return sha or _hash_file(out), False
+        os.link(out.path(links[ident]), out.path(rel))
+        copy = out.path(rel)
+        sha = memo.sha(os.lstat(copy), store=True) if memo is not None else None
+        return sha or _hash_file(copy), False
     earlier = memo.copy(st) if memo is not None else None
     sha = memo.sha(st) if memo is not None else None
     if earlier is not None and sha is not None:
         try:
-            os.link(earlier, out)  # the earlier copy is immutable, its attributes the same
-            links[ident] = out
+            os.link(earlier, out.path(rel))  # the earlier copy is immutable, its attributes the same
+            links[ident] = rel
             return sha, False
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.EXDEV, errno.EMLINK, errno.EPERM):
                 raise
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    fd = os.open(out.path(rel), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         sha = _hash_file(path, fd)
     finally:
         os.close(fd)
-    links[ident] = out
+    links[ident] = rel
     return sha, True
