@@ -69,7 +69,7 @@ def _unquote(s: str) -> tuple[str, str]:
                 out += _ESCAPES[nxt].encode()
                 i += 2
                 continue
-            if re.match(r"[0-7]{3}", s[i + 1:i + 4]):
+            if re.match(r"[0-3][0-7]{2}", s[i + 1:i + 4]):  # one byte: git writes \000 .. \377
                 out.append(int(s[i + 1:i + 4], 8))
                 i += 4
                 continue
