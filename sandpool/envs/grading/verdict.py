@@ -95,6 +95,8 @@ def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
         end = json.loads(last)
     except ValueError:
         end = {}
+    if not isinstance(end, dict):  # JSON, but no line the plugin writes
+        end = {}
     if end.get("ev") != "end":
         body = lines  # cut short: no closing line was written
     else:
@@ -105,40 +107,51 @@ def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
         return rep  # nothing in a forged file is trusted
     for raw in body:
         try:
-            rec = json.loads(raw)
-        except ValueError:
+            _read_record(rep, json.loads(raw))
+        except (ValueError, KeyError, TypeError, AttributeError):  # not a line the plugin writes
             rep.forged = True
             rep.sealed = False
             return rep
-        ev = rec.get("ev")
-        if ev == "collected":
-            rep.collected = list(rec.get("ids", []))
-        elif ev == "collect_error":
-            rep.statuses[rec["nodeid"]] = "ERROR"
-        elif ev == "finish":
-            rep.exitstatus = int(rec["exitstatus"])
-            rep.changed = list(rec.get("changed", []))
-        elif ev == "test":
-            nodeid, when, outcome, xfail = rec["nodeid"], rec["when"], rec["outcome"], rec["xfail"]
-            if outcome == "failed":
-                status = "FAILED" if when == "call" else "ERROR"
-            elif outcome == "skipped" and xfail and rec.get("xfail_by"):
-                status = "FAILED"  # an xfail the test did not declare: its failure stands
-                rep.xfail_by_code.append((nodeid, str(rec["xfail_by"])))
-            elif outcome == "skipped":
-                status = "XFAIL" if xfail else "SKIPPED"
-            elif outcome != "passed":
-                continue  # e.g. pytest-rerunfailures' "rerun": the final report decides
-            elif when == "call":
-                status = "XPASS" if xfail else "PASSED"
-                if not xfail:
-                    rep.passed_calls += 1
-                    if rec.get("longrepr"):
-                        rep.rewritten.append(nodeid)
-            else:
-                continue  # a passed setup/teardown says nothing on its own
-            rep.statuses[nodeid] = _merge(rep.statuses.get(nodeid), status)
     return rep
+
+
+def _read_record(rep: SignedReport, rec: dict) -> None:
+    """Add one of the plugin's records to ``rep``; raises on anything the plugin never writes."""
+    ev = rec.get("ev")
+    if ev == "collected":
+        rep.collected = [str(i) for i in rec.get("ids", [])]
+    elif ev == "collect_error":
+        rep.statuses[_nodeid(rec)] = "ERROR"
+    elif ev == "finish":
+        rep.exitstatus = int(rec["exitstatus"])
+        rep.changed = [str(c) for c in rec.get("changed", [])]
+    elif ev == "test":
+        nodeid, when, outcome, xfail = _nodeid(rec), rec["when"], rec["outcome"], rec["xfail"]
+        if outcome == "failed":
+            status = "FAILED" if when == "call" else "ERROR"
+        elif outcome == "skipped" and xfail and rec.get("xfail_by"):
+            status = "FAILED"  # an xfail the test did not declare: its failure stands
+            rep.xfail_by_code.append((nodeid, str(rec["xfail_by"])))
+        elif outcome == "skipped":
+            status = "XFAIL" if xfail else "SKIPPED"
+        elif outcome != "passed":
+            return  # e.g. pytest-rerunfailures' "rerun": the final report decides
+        elif when == "call":
+            status = "XPASS" if xfail else "PASSED"
+            if not xfail:
+                rep.passed_calls += 1
+                if rec.get("longrepr"):
+                    rep.rewritten.append(nodeid)
+        else:
+            return  # a passed setup/teardown says nothing on its own
+        rep.statuses[nodeid] = _merge(rep.statuses.get(nodeid), status)
+
+
+def _nodeid(rec: dict) -> str:
+    nodeid = rec["nodeid"]
+    if not isinstance(nodeid, str):
+        raise TypeError(f"node id {nodeid!r} is no string")
+    return nodeid
 
 
 def _closing_counts(log: str) -> dict[str, int] | None:
@@ -327,14 +340,21 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
     Returns:
         The :class:`GradeResult`: resolved only when the harness's rule holds on the log and on
         the signed report, at least one of the tests that decide the task ran, and no
-        evidence of tampering was found.
+        evidence of tampering was found. A log the harness's parser raises on has ``error``
+        set (scored 0): the code under test wrote it, and a gold run's log that it raises on
+        is a broken task that validation reports.
     """
     f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
     common = {"harness": plan.harness, "neutralised": neutral, "exit_code": res.exit_code,
               "duration_s": res.duration_s, "log": log}
     if res.timed_out:
         return unresolved(task, timed_out=True, **common)
-    status = plan.parse(log)
+    try:
+        status = plan.parse(log)
+    except Exception as exc:  # noqa: BLE001 - the dataset's parser, on a log the code under test wrote
+        return unresolved(task, **common, error=(
+            f"the harness's log parser cannot read the test log ({type(exc).__name__}: {exc}); the code "
+            "under test wrote it"))
     resolved, failed_f2p, failed_p2p = plan.score(status)
     common["absent"] = tuple(t for t in f2p + p2p if t not in status)
     seen = set(status)
