@@ -36,25 +36,28 @@ def test_a_quoted_path_git_never_writes_is_refused_not_an_error(calc_task, heade
 
 
 class _FakeGit(Policy):
-    """Puts a ``git`` first on its sandbox's PATH that prints ``patch`` for ``diff``."""
+    """Puts a ``git`` at ``where`` (first on its sandbox's PATH, or over the image's) that
+    prints ``patch`` for ``diff``."""
 
     name = "fake-git"
 
-    def __init__(self, patch: str) -> None:
-        self.patch = patch
+    def __init__(self, patch: str, where: str) -> None:
+        self.patch, self.where = patch, where
 
     async def act(self, lease, task: Task) -> None:
         script = ("#!/bin/sh\ncase \" $* \" in *' diff '*) cat /root/.answer; exit 0;; esac\n"
-                  "exec /usr/bin/git \"$@\"\n")
+                  "exec /root/.git-real \"$@\"\n")
         await lease.write_file("/root/.answer", self.patch.encode())
-        await lease.write_file("/usr/local/bin/git", script.encode(), mode=0o755)
+        assert (await lease.exec("cp -p /usr/bin/git /root/.git-real")).ok
+        await lease.write_file(self.where, script.encode(), mode=0o755)
         res = await lease.exec("command -v git && git diff --cached HEAD | head -1")
-        assert res.text.splitlines() == ["/usr/local/bin/git", self.patch.splitlines()[0]], res
+        assert res.text.splitlines()[1:] == [self.patch.splitlines()[0]], res
 
 
+@pytest.mark.parametrize("where", ["/usr/local/bin/git", "/usr/bin/git"], ids=["added", "replaced"])
 async def test_a_policys_own_git_printing_an_unreadable_patch_scores_0_not_infra(
-        test_images_root, oci_store, swe_task):
-    report = await run_batch([swe_task], [_FakeGit(_patch(_BAD[0]))],
+        test_images_root, oci_store, swe_task, where):
+    report = await run_batch([swe_task], [_FakeGit(_patch(_BAD[0]), where)],
                              LocalBackend(test_images_root, store=oci_store),
                              rollouts_per_task=1, concurrency=1, strategy="reuse", retries=0)
     (r,) = report.rollouts
