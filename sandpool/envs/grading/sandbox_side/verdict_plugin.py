@@ -115,7 +115,6 @@ def make(key, report_path, trusted_code=None):
     # encoder class by name at every call.
     escape, write, close, basename = json.encoder.encode_basestring_ascii, os.write, os.close, \
         os.path.basename
-    relpath, join = os.path.relpath, os.path.join
     b_vars, b_getattr, b_hasattr, b_isinstance, b_len, b_int, b_id, b_set, b_list = (
         vars, getattr, hasattr, isinstance, len, int, id, set, list)
     b_str, b_bool, b_tuple, b_dict, b_sorted, b_zip, b_all, b_type = (
@@ -211,18 +210,26 @@ def make(key, report_path, trusted_code=None):
     def shown(nodeid):
         # A node id is relative to pytest's rootdir (the directory of the configuration file it
         # found, e.g. tests/pytest.ini); its log, and so a dataset's test ids, name the test
-        # relative to the directory pytest ran in, as Config.cwd_relative_nodeid does.
+        # relative to the directory pytest ran in, as Config.cwd_relative_nodeid does. Only
+        # list and string operations: no function the code under test could rebind.
         base, sep, rest = nodeid.partition("::")
-        if not base or run["root"] is None or run["root"] == run["cwd"]:
+        root, cwd = run["root"], run["cwd"]
+        if not base or root is None or root == cwd:
             return nodeid
-        return relpath(join(run["root"], base), run["cwd"]) + sep + rest
+        full = root + [p for p in base.split("/") if p]
+        n = 0
+        while n < b_len(cwd) and n < b_len(full) and cwd[n] == full[n]:
+            n += 1
+        return "/".join([".."] * (b_len(cwd) - n) + full[n:]) + sep + rest
 
     def pytest_configure(config):
         if run["config"] is None:
             run["config"] = config
             params = b_getattr(config, "invocation_params", None)
-            run["root"] = b_str(b_getattr(config, "rootpath", None) or config.rootdir)
-            run["cwd"] = b_str(params.dir if params is not None else config.invocation_dir)
+            root = b_str(b_getattr(config, "rootpath", None) or config.rootdir)
+            cwd = b_str(params.dir if params is not None else config.invocation_dir)
+            run["root"] = [p for p in root.split("/") if p]
+            run["cwd"] = [p for p in cwd.split("/") if p]
             import pytest
             emit({"ev": "start", "pid": os.getpid(), "pytest": getattr(pytest, "__version__", "?"),
                   "python": sys.version.split()[0]})
