@@ -16,6 +16,9 @@ sandbox's agent:
   the ctime, which no process can set), any other file is hashed and is in it only when its
   sha256 differs; a recorded path that is gone is a deletion;
 * ``/tmp`` (empty when the sandbox is pristine) is in it whole;
+* a path it cannot read or name (a file its processes made unreadable to it, a tree deeper
+  than PATH_MAX) cannot be carried: the snapshot is refused (``ConfigError``, as an
+  oversized change set is), never an infra failure of a sound pod;
 * it streams those entries as a tar archive in its answer, with one canonical line per entry
   (path, type, mode, sha256 or link target) and per deletion.
 
@@ -58,12 +61,16 @@ CHUNK = 8 << 20
 #: Bytes of a pod's change set a snapshot carries (one answer of its agent).
 MAX_BYTES = 160 << 20
 _OWN_TMP = ".sandpool-"  # names in /tmp that are sandpool's own, never state
+#: The script's exit status for a path it cannot read or name (too deep, unreadable): a state
+#: the sandbox's processes made that a change set cannot carry. A ConfigError, as a change set
+#: over MAX_BYTES is: the sandbox is sound, and a rollout's lease is not broken by it.
+_UNCARRIED = 3
 
 # Runs in the pod (stdlib only, Python 3.6+): argv = record.json, "tar" or "hash", repo, tmp.
 # "tar": the change set as a tar stream on stdout, its lines as the last member (SCAN);
-# "hash": the lines as JSON on stdout.
+# "hash": the lines as JSON on stdout. Exit 3: a path it cannot read or name (see _UNCARRIED).
 _SCRIPT = r'''
-import hashlib, io, json, os, signal, stat, sys, tarfile
+import errno, hashlib, io, json, os, signal, stat, sys, tarfile
 rec_path, mode, root, tmp = sys.argv[1:5]
 with open(rec_path) as f:
     rec = json.load(f)
@@ -157,6 +164,13 @@ try:
             t.addfile(info, io.BytesIO(scan))
     else:
         sys.stdout.buffer.write(scan)
+except OSError as exc:
+    # A path the sandbox's own processes made that no process here can read or name: the
+    # state cannot be carried (exit 3), not a failure of the pod.
+    if exc.errno not in (errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.ELOOP):
+        raise
+    sys.stderr.write("cannot carry %s: %s\n" % (str(exc.filename)[-200:], os.strerror(exc.errno)))
+    sys.exit(3)
 finally:
     for p in stopped:
         try:
@@ -220,6 +234,10 @@ async def _run(sb: AgentSandbox, python: str, script: str, *args: str, timeout: 
                max_output: int = 1 << 28) -> bytes:
     res = await sb.exec(["/bin/sh", "-c", 'exec "$0" -c "$@"', python, script, *args],
                         timeout=timeout, cwd="/", max_output=max_output)
+    if res.exit_code == _UNCARRIED:
+        raise errors.ConfigError(f"sandbox {sb.id}: its state cannot be snapshotted: "
+                                 f"{res.err_text.strip()[-300:]} (a path its processes made past "
+                                 "PATH_MAX, or one they made unreadable)")
     if not res.ok:
         raise errors.InfraError(f"sandbox {sb.id}: the snapshot script failed (exit {res.exit_code}): "
                                 f"{res.err_text.strip()[-400:]}")
@@ -239,6 +257,10 @@ async def _scan(sb: AgentSandbox, python: str, mode: str, timeout: float) -> tup
                              sb.workdir, "/tmp"], timeout=timeout, cwd="/", max_output=MAX_BYTES)
     finally:
         await sb.exec(["rm", "-f", path], timeout=timeout, cwd="/")
+    if res.exit_code == _UNCARRIED:
+        raise errors.ConfigError(f"sandbox {sb.id}: its state cannot be snapshotted: "
+                                 f"{res.err_text.strip()[-300:]} (a path its processes made past "
+                                 "PATH_MAX, or one they made unreadable)")
     if not res.ok:
         raise errors.InfraError(f"sandbox {sb.id}: the snapshot script failed (exit {res.exit_code}): "
                                 f"{res.err_text.strip()[-400:]}")
@@ -273,8 +295,8 @@ async def capture(sb: AgentSandbox, python: str, store: Path, backend: str, imag
         timeout: Seconds the script may take.
 
     Raises:
-        ConfigError: The sandbox has no pristine record, or its change set is over
-            :data:`MAX_BYTES`.
+        ConfigError: The sandbox has no pristine record, its change set is over
+            :data:`MAX_BYTES`, or it holds a path the script cannot read or name.
         InfraError: The script failed or its archive does not hold what it listed.
     """
     data, cut = await _scan(sb, python, "tar", timeout)
