@@ -15,6 +15,8 @@ times, against the running cluster from ``hack/cluster`` (``up --image-model=see
 * ``exec``: a command's round trip over the agent (``exec_s``, ``cpu_exec_s``) and as one
   pod exec (``exec_pod_s``, ``cpu_exec_pod_s``);
 * ``reset``: ``reset_in_place`` after a small change (``reset_s``, ``cpu_reset_s``);
+* ``checkout``: the task's commit checked out in a sandbox, as a reuse sandbox's first claim
+  does (``checkout_s``, ``cpu_checkout_s``);
 * ``claim``: a SandboxClaim on a filled SandboxWarmPool whose pods' sessions are open, from
   the create request to the sandbox handed out (``controller_s``: the bind, less a write).
 
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from k8s_burst import cluster_cpu_s, default_kubeconfig, make_repo  # noqa: E402
 
 from sandpool.core.backends.kubernetes import KubernetesBackend  # noqa: E402
-from sandpool.core.reset import record_pristine, reset_in_place  # noqa: E402
+from sandpool.core.reset import checkout, record_pristine, reset_in_place  # noqa: E402
 from tests.cluster.kwok_images import workdir_image  # noqa: E402
 
 
@@ -126,6 +128,7 @@ async def measure(kubeconfig: Path, source: Path, commit: str, repeat: int) -> R
 
                     took = await rows.time("reset", repeat, reset)
                     rows.wall["reset"] = took
+                    await rows.time("checkout", repeat, lambda sb=sb: checkout(sb, commit))
                 await be.delete(sb)
             finally:
                 await be.aclose()
@@ -157,6 +160,7 @@ def params(rows: Rows, boot_s: float, cached_pull_s: float) -> dict[str, float]:
         "exec_s": rows.med("exec agent"), "cpu_exec_s": rows.cpu["exec agent"],
         "exec_pod_s": rows.med("exec pod"), "cpu_exec_pod_s": rows.cpu["exec pod"],
         "reset_s": rows.med("reset"), "cpu_reset_s": rows.cpu["reset"],
+        "checkout_s": rows.med("checkout"), "cpu_checkout_s": rows.cpu["checkout"],
         "controller_s": max(0.0, rows.med("claim") - rows.med("api write")),
         # a claim's window holds the refill it set off (a pod, its session): not the claim's
         "cpu_claim_s": max(rows.client["claim"], rows.cpu["claim"] - rows.cpu["pod+agent"]),

@@ -53,6 +53,7 @@ def _shape(shape: str, source: str, **figures: float | tuple[float, float]) -> l
 _C40 = ("k8s_burst.py --images 40 --concurrency 40 --modes pods,warm, two runs "
         "(2026-12-05 12:37, load 0.9-5.0; 12:57, load 2.6-10.6)")
 _RUN = "k8s_burst.py --images {} --modes {} (2026-12-05 {}, load {})"
+_TWO = "k8s_burst.py --images {} --modes {}, two runs (2026-12-05 {}, load {}; {}, load {})"
 
 #: Every figure measured on the local cluster that the model is checked against (each run
 #: started on a fresh namespace of one cluster, other work running on the machine).
@@ -61,18 +62,26 @@ MEASURED: tuple[Measured, ...] = (
             max=(83.89, 107.4), pods=160, writes_per_rollout=2.05),
     *_shape("warm 40x4 c40", _C40, mean=(0.692, 0.701), p99=(1.829, 2.084),
             max=(1.834, 2.131), pods=(195, 209), writes_per_rollout=(2.825, 2.831)),
-    *_shape("reuse 100x4", _RUN.format(100, "reuse", "13:02", "9.7-34"), mean=0.324,
-            p99=0.987, max=1.436, pods=110, writes_per_rollout=0.345),
-    *_shape("warm 100x4", _RUN.format(100, "warm", "13:04", "23-527"), mean=27.0, p99=50.29,
-            max=50.49, pods=427, writes_per_rollout=2.322),
-    *_shape("pods 100x4", _RUN.format(100, "pods", "13:09", "106-524"), mean=127.7,
-            p99=181.9, max=185.9, pods=400, writes_per_rollout=2.02),
-    *_shape("reuse 200x4", _RUN.format(200, "reuse", "13:12", "51-76"), mean=0.749,
-            p99=2.284, max=2.637, pods=210, writes_per_rollout=0.297),
-    *_shape("pods 200x4", _RUN.format(200, "pods", "13:17", "2.4-36"), mean=225.1,
-            p99=352.0, max=365.7, pods=800, writes_per_rollout=2.01),
-    *_shape("reuse 500x4", _RUN.format(500, "reuse", "13:24", "1.8-34"), mean=0.497,
-            p99=1.419, max=2.227, pods=530, writes_per_rollout=0.305),
+    *_shape("reuse 100x4", _TWO.format(100, "reuse", "13:02", "9.7-34", "18:31", "0.5-33"),
+            mean=(0.324, 0.346), p99=(0.987, 1.252), max=(1.436, 1.462), pods=110,
+            writes_per_rollout=(0.345, 0.347)),
+    *_shape("warm 100x4", _TWO.format(100, "warm", "13:04", "23-527", "18:33", "27-51"),
+            mean=(21.86, 27.0), p99=(40.67, 50.29), max=(41.08, 50.49), pods=(427, 445),
+            writes_per_rollout=(2.275, 2.322)),
+    *_shape("pods 100x4", _TWO.format(100, "pods", "13:09", "106-524", "18:37", "6.9-30"),
+            mean=(113.3, 127.7), p99=(168.8, 181.9), max=(183.0, 185.9), pods=(400, 414),
+            writes_per_rollout=2.02),
+    *_shape("reuse 200x4", _TWO.format(200, "reuse", "13:12", "51-76", "18:41", "6.9-129"),
+            mean=(0.749, 0.883), p99=(2.216, 2.284), max=(2.637, 4.047), pods=210,
+            writes_per_rollout=(0.297, 0.299)),
+    *_shape("pods 200x4", _TWO.format(200, "pods", "13:17", "2.4-36", "18:54", "4.4-225"),
+            mean=(225.1, 229.6), p99=(346.7, 352.0), max=(352.2, 365.7), pods=800,
+            writes_per_rollout=(2.01, 2.01)),
+    *_shape("reuse 500x4", _TWO.format(500, "reuse", "13:24", "1.8-34", "18:45", "55-91"),
+            mean=(0.497, 0.712), p99=(1.419, 2.042), max=(2.227, 2.600), pods=530,
+            writes_per_rollout=(0.305, 0.307)),
+    *_shape("reuse 1000x4", _RUN.format(1000, "reuse", "19:00", "4.3-89"), mean=0.605,
+            p99=1.852, max=3.212, pods=1061, writes_per_rollout=0.307),
 )
 
 #: The real node's figures, for :func:`real_cluster`: ``bench/real_node.py --start --repeat
@@ -106,7 +115,7 @@ def real_cluster(params: SimParams | None = None) -> SimParams:
                    agent_s=r["sandbox_start_s"] - r["pod_start_cached_s"] + r["record_s"],
                    cpu_agent_s=0.0, exec_s=r["exec_agent_s"], cpu_exec_s=0.0,
                    exec_pod_s=r["exec_pod_s"], cpu_exec_pod_s=0.0, reset_s=r["reset_s"],
-                   cpu_reset_s=0.0, cpu_claim_s=0.0)
+                   cpu_reset_s=0.0, cpu_checkout_s=0.0, cpu_claim_s=0.0)
 
 
 #: Seeds each measured shape is simulated with; a figure's prediction is their median (one

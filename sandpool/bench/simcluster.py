@@ -41,7 +41,8 @@ run their own pods).
   (``cpu_agent_s``; before the claim when presessions are on); a command's round trip is
   lognormal with median ``exec_s`` (``exec_pod_s`` for the pods baseline's pod exec) and
   ``exec_sigma`` (CPU ``cpu_exec_s``, ``cpu_exec_pod_s``), an in-place reset ``reset_s``
-  (``cpu_reset_s``); every other latency is scaled by a uniform factor in
+  (``cpu_reset_s``), a reuse sandbox's first claim checks out the task's commit in
+  ``checkout_s`` (``cpu_checkout_s``); every other latency is scaled by a uniform factor in
   ``[1 - jitter, 1 + jitter]`` (:meth:`Cluster.lat`). A pod exec of the pods baseline fails
   with probability ``exec_pod_fail``.
 
@@ -123,6 +124,8 @@ class SimParams:
     exec_pod_fail: float = 0.0
     reset_s: float = 0.173
     cpu_reset_s: float = 0.088
+    checkout_s: float = 0.0104
+    cpu_checkout_s: float = 0.009
     think_s: float = 5.0
     delete_batch_s: float = 0.5
     jitter: float = 0.2

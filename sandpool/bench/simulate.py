@@ -251,6 +251,7 @@ def simulate(mode: str, *, images: int, rollouts: int, params: SimParams | None 
 
     def reuse_window(c: Cluster, window: list[str], node_of: dict) -> Iterator[simpy.Event]:
         node_by: dict[str, Node] = {}
+        checked_out: set[str] = set()
 
         def sandbox(image: str) -> Iterator[simpy.Event]:
             yield from c.write()  # the image's Sandbox object
@@ -259,6 +260,9 @@ def simulate(mode: str, *, images: int, rollouts: int, params: SimParams | None 
 
         def rollout(image: str) -> Iterator[simpy.Event]:
             t0 = env.now
+            if image not in checked_out:  # a sandbox's first claim checks out the commit
+                checked_out.add(image)
+                yield from c.op(p.checkout_s, p.cpu_checkout_s)
             yield from c.command(mode == "pods")
             ttfc.append(env.now - t0)
             yield from c.command(mode == "pods")  # the round trip, again
