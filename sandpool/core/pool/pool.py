@@ -185,11 +185,7 @@ class SandboxPool:
             PoolClosed: The pool is not open.
         """
         self._check_open()
-        demand: dict[str, int] = {}
-        for t in tasks:
-            demand[t.image] = demand.get(t.image, 0) + rollouts_per_task
-        for image in demand:
-            await self.hydrate(image)
+        demand = await self._hydrated_demand(tasks, rollouts_per_task)
         slots = self.strategy.plan(demand, concurrency)
         self._concurrency = concurrency
         if self.limits.max_live is None:
@@ -204,6 +200,19 @@ class SandboxPool:
         if wait:
             await self.wait_warm()
         return slots
+
+    async def _hydrated_demand(self, tasks: Iterable[Task], rollouts_per_task: int) -> dict[str, int]:
+        """Rollouts per image of ``tasks`` (``rollouts_per_task`` each), every image hydrated.
+
+        Raises:
+            ImageNotFound: An image is missing (the images before it are hydrated).
+        """
+        demand: dict[str, int] = {}
+        for t in tasks:
+            demand[t.image] = demand.get(t.image, 0) + rollouts_per_task
+        for image in demand:
+            await self.hydrate(image)
+        return demand
 
     async def prefetch(self, tasks: Iterable[Task], *, rollouts_per_task: int = 1,
                        concurrency: int | None = None) -> dict[str, int]:
@@ -229,11 +238,7 @@ class SandboxPool:
             PoolClosed: The pool is not open.
         """
         self._check_open()
-        demand: dict[str, int] = {}
-        for t in tasks:
-            demand[t.image] = demand.get(t.image, 0) + rollouts_per_task
-        for image in demand:
-            await self.hydrate(image)
+        demand = await self._hydrated_demand(tasks, rollouts_per_task)
         for image in [i for i in self._prefetched if i not in demand]:
             self._entries.image(image).target = self._prefetched.pop(image)
         for image, n in demand.items():
