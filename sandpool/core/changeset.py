@@ -51,6 +51,7 @@ from types import MappingProxyType
 from sandpool.core import errors
 from sandpool.core.agent.sandbox import AgentSandbox
 from sandpool.core.pristine import Pristine, pristine_record
+from sandpool.core.sandbox import ExecResult
 from sandpool.core.snapshot import Snapshot
 
 __all__ = ["CHUNK", "MAX_BYTES", "capture", "discard", "load", "remove_store", "state_hash"]
@@ -230,10 +231,13 @@ def _record_json(rec: Pristine) -> dict:
     return {"files": files, "own": [".git/sandpool-exec"]}
 
 
-async def _run(sb: AgentSandbox, python: str, script: str, *args: str, timeout: float,
-               max_output: int = 1 << 28) -> bytes:
-    res = await sb.exec(["/bin/sh", "-c", 'exec "$0" -c "$@"', python, script, *args],
-                        timeout=timeout, cwd="/", max_output=max_output)
+def _check(sb: AgentSandbox, res: ExecResult) -> None:
+    """Raise unless the snapshot script's run ``res`` succeeded.
+
+    Raises:
+        ConfigError: The state holds what the script cannot carry (the policy's doing).
+        InfraError: The script failed otherwise.
+    """
     if res.exit_code == _UNCARRIED:
         raise errors.ConfigError(f"sandbox {sb.id}: its state cannot be snapshotted: "
                                  f"{res.err_text.strip()[-300:]} (a path its processes made past "
@@ -241,6 +245,13 @@ async def _run(sb: AgentSandbox, python: str, script: str, *args: str, timeout: 
     if not res.ok:
         raise errors.InfraError(f"sandbox {sb.id}: the snapshot script failed (exit {res.exit_code}): "
                                 f"{res.err_text.strip()[-400:]}")
+
+
+async def _run(sb: AgentSandbox, python: str, script: str, *args: str, timeout: float,
+               max_output: int = 1 << 28) -> bytes:
+    res = await sb.exec(["/bin/sh", "-c", 'exec "$0" -c "$@"', python, script, *args],
+                        timeout=timeout, cwd="/", max_output=max_output)
+    _check(sb, res)
     return res.stdout
 
 
@@ -257,13 +268,7 @@ async def _scan(sb: AgentSandbox, python: str, mode: str, timeout: float) -> tup
                              sb.workdir, "/tmp"], timeout=timeout, cwd="/", max_output=MAX_BYTES)
     finally:
         await sb.exec(["rm", "-f", path], timeout=timeout, cwd="/")
-    if res.exit_code == _UNCARRIED:
-        raise errors.ConfigError(f"sandbox {sb.id}: its state cannot be snapshotted: "
-                                 f"{res.err_text.strip()[-300:]} (a path its processes made past "
-                                 "PATH_MAX, or one they made unreadable)")
-    if not res.ok:
-        raise errors.InfraError(f"sandbox {sb.id}: the snapshot script failed (exit {res.exit_code}): "
-                                f"{res.err_text.strip()[-400:]}")
+    _check(sb, res)
     return res.stdout, res.stdout_truncated
 
 
