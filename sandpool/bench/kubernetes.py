@@ -208,6 +208,7 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: Monito
         client_cpu = time.process_time() - cpu0[1]
         cluster_cpu = hooks.cpu() - cpu0[0] if cpu0[0] is not None and hooks.cpu else None
         stats = backend.api_stats
+        rates = [r.trace() for r in backend.write_rates.values()]
         await backend.aclose()
         mon.namespace = None
         for st in closed:  # the windows' backends
@@ -242,6 +243,8 @@ async def _run_mode(name: str, tasks: list[Task], kubeconfig, admin, mon: Monito
         "plan": plan.as_dict() if plan else None,
         "quarantine reasons": [q for c in counters for q in c.quarantine_reasons],
         "apiserver requests by verb": delta,
+        "write rate": [r.describe() for r in rates],
+        "_write_rate": [r.model_dump() for r in rates],
     }
     return StrategyResult.from_results(
         name, results, probes,
