@@ -114,11 +114,11 @@ def run(
                                             "sandpool rows), a hub dataset name, or 'default' for the built-in "
                                             "pack.")] = "default",
     rollouts: Annotated[int, typer.Option(min=1, help="Rollouts per task (k), at least 1.")] = 4,
-    limit: Annotated[int, typer.Option(help="Run only the first N tasks (0 = all).")] = 0,
+    limit: Annotated[int, typer.Option(min=0, help="Run only the first N tasks (0 = all).")] = 0,
     policy: Annotated[str, typer.Option(help="Comma-separated policies used round-robin: oracle, noop, chat.")] = "oracle,noop",
     concurrency: Annotated[int, typer.Option(min=1, help="Rollouts at once.")] = 8,
     strategy: Annotated[str, typer.Option(help="cold, warm or reuse.")] = "reuse",
-    retries: Annotated[int, typer.Option(help="Infra retries per rollout.")] = 2,
+    retries: Annotated[int, typer.Option(min=0, help="Infra retries per rollout.")] = 2,
     out: Annotated[Path, typer.Option(help="Directory for report.json, report.txt, rollouts.jsonl.")] = Path("reports/run"),
     resume: Annotated[bool, typer.Option(help="Continue a run from out/rollouts.jsonl.")] = False,
     chat_url: Annotated[str, typer.Option(help="OpenAI-compatible endpoint for the chat policy.")] = "",
@@ -146,6 +146,13 @@ def run(
     from sandpool.envs.runner import run_batch
     from sandpool.envs.tasks import load_tasks, local_base_resolver
 
+    from sandpool.core.strategies import get_strategy
+
+    try:  # before the pack is built or a task validated
+        get_strategy(strategy)
+    except errors.ConfigError:
+        console.print(f"[red]error:[/] --strategy {strategy}: use cold, warm or reuse")
+        raise typer.Exit(2) from None
     try:
         path = _default_tasks() if tasks == "default" else Path(tasks)
         rejected: list[RejectedTask] = []

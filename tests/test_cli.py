@@ -27,6 +27,21 @@ def test_run_refuses_a_count_below_one(option: str) -> None:
     assert option in res.output
 
 
+@pytest.mark.parametrize("option", ["--limit", "--retries"])
+def test_run_refuses_a_negative_count(option: str, tmp_path: Path) -> None:
+    # --limit -1 would slice off the last task; --retries -1 would mean none, silently.
+    res = CliRunner().invoke(app, ["run", option, "-1", "--tasks", str(tmp_path / "t.jsonl")])
+    assert res.exit_code == 2
+    assert option in res.output and "no such file" not in res.output
+
+
+def test_an_unknown_strategy_names_the_option_and_the_choices_before_any_work(tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, ["run", "--strategy", "hot", "--tasks", str(tmp_path / "t.jsonl")])
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert "--strategy hot: use cold, warm or reuse" in text and "no such file" not in text
+
+
 def test_images_list_is_the_same_as_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SANDPOOL_HOME", str(tmp_path))
     plain, listed = CliRunner().invoke(app, ["images"]), CliRunner().invoke(app, ["images", "list"])
