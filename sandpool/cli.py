@@ -89,6 +89,17 @@ def _no_task_file(tasks: str, exc: FileNotFoundError) -> str:
     return str(exc)
 
 
+def _check_rows(tasks: str, task_list: list, rejected: list[RejectedTask]) -> None:
+    """Refuse a task file that holds no row at all (an empty file, blank lines only).
+
+    Raises:
+        InputError: No task and no rejected row came from ``tasks``.
+    """
+    if not task_list and not rejected:
+        raise errors.InputError(f"--tasks {tasks}: the file holds no task rows; give one task per line "
+                                "(.jsonl), a list of tasks (.json, .parquet), or 'default' for the built-in pack")
+
+
 def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int,
               grade_timeout: float = 300.0) -> int:
     from sandpool.core.backends.local import LocalBackend
@@ -97,6 +108,7 @@ def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int
 
     rejected: list[RejectedTask] = []
     task_list = load_tasks(path, rejected=rejected, resolve_base=local_base_resolver())
+    _check_rows(str(path), task_list, rejected)
     with Progress("validate", len(task_list), console) as bar:
         result = asyncio.run(validate_tasks(task_list, LocalBackend, concurrency=concurrency,
                                             grade_timeout=grade_timeout, rejected=rejected,
@@ -161,6 +173,7 @@ def run(
                                         node_selector=node_selector, tolerate=tolerate, disk_mib=disk_mib)
         task_list = load_tasks(path, rejected=rejected, rows=rows,
                                resolve_base=local_base_resolver() if backend == "local" else None)
+        _check_rows(tasks, task_list, rejected)
         if limit:
             task_list = task_list[:limit]
         policies = [get_policy(p.strip(), base_url=chat_url, model=model) for p in policy.split(",") if p.strip()]

@@ -42,6 +42,16 @@ def test_an_unknown_strategy_names_the_option_and_the_choices_before_any_work(tm
     assert "--strategy hot: use cold, warm or reuse" in text and "no such file" not in text
 
 
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_task_file_without_rows_is_refused_not_run_as_zero_tasks(command: str, tmp_path: Path) -> None:
+    empty = tmp_path / "tasks.jsonl"
+    empty.write_text("\n\n")
+    res = CliRunner().invoke(app, [command, "--tasks", str(empty), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 2, res.output
+    assert f"--tasks {empty}: the file holds no task rows" in " ".join(res.output.split())
+    assert not (tmp_path / "out").exists()
+
+
 def test_images_list_is_the_same_as_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SANDPOOL_HOME", str(tmp_path))
     plain, listed = CliRunner().invoke(app, ["images"]), CliRunner().invoke(app, ["images", "list"])
