@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from sandpool.cli_images import images_app
 from sandpool.core import errors
@@ -191,7 +192,7 @@ def run(
             raise typer.Exit(2) from None
         rejected += [r.model_copy(update={"row": rows.get(r.task_id or "")}) for r in broken]
     for r in rejected:
-        console.print(f"[yellow]rejected[/] {f'row {r.row}' if r.row else r.task_id}: {r.reason}")
+        console.print(f"[yellow]rejected[/] {escape(r.describe())}", soft_wrap=True)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "rollouts.jsonl"
     if not resume:

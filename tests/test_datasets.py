@@ -16,6 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sandpool.core import errors
+from sandpool.core.metrics import RejectedTask
 from sandpool.envs.datasets import detect_format, swebench_image
 from sandpool.envs.grading import grade
 from sandpool.envs.grading.harness import harness_of, reverse_patch
@@ -165,3 +166,17 @@ def test_a_swebench_row_for_a_repo_swebench_does_not_know_is_a_broken_task(calc_
     task = parse_task(dict(_swebench_row(calc_task), repo="nobody/nothing"))
     with pytest.raises(errors.BrokenTaskError, match="no test command"):
         plan_for(task)
+
+
+def test_each_rejected_row_names_its_row_and_task_once_and_the_fix(tmp_path, calc_task):
+    good = calc_task.model_dump(mode="json")
+    bad = {**good, "instance_id": "calc-bad", "FAIL_TO_PASS": 42}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("\n".join([json.dumps(good), json.dumps(bad), "{torn", ""]))
+    rejected = []
+    assert [t.instance_id for t in load_tasks(path, rejected=rejected)] == [calc_task.instance_id]
+    field, torn = (r.describe() for r in rejected)
+    assert field.startswith("row 2 (calc-bad): field 'FAIL_TO_PASS'") and field.count("row 2") == 1
+    assert torn.startswith("row 3: not valid JSON") and torn.endswith("fix: one whole JSON object per line")
+    later = RejectedTask(task_id="calc-ghost", row=4, reason="validation: image 'x' is not built")
+    assert later.describe() == "row 4 (calc-ghost): validation: image 'x' is not built"

@@ -171,7 +171,7 @@ async def test_a_base_commit_not_in_the_image_rejects_that_task_only(test_images
     assert {r.task_id for r in report.rejected} == {"calc-bad-sha", None, "calc-ghost"}
     assert all(r.reward is None for r in report.rollouts if r.outcome is Outcome.REJECTED)
     assert "rejected 6 = 8 of 8 requested" in report.render_text()
-    assert "row 4: calc-ghost" in report.render_text()
+    assert "row 4 (calc-ghost): " in report.render_text()
     # The bad sha's claim was served (warm), then rejected at its checkout: not a claim.
     assert report.pool.claims == 2 and report.pool.warm_hits <= report.pool.claims
 

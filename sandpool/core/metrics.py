@@ -196,6 +196,16 @@ class RejectedTask(BaseModel):
     row: int | None = None
     reason: str
 
+    def describe(self) -> str:
+        """One line naming the row and task once: ``row 4 (calc-ghost): <reason>``; the reason
+        alone when it starts with its row already (as a task loader's errors do)."""
+        where = " ".join(filter(None, (f"row {self.row}" if self.row is not None else "",
+                                       f"({self.task_id})" if self.task_id and self.row is not None
+                                       else self.task_id or "")))
+        if not where or (self.row is not None and self.reason.startswith(f"row {self.row}")):
+            return self.reason
+        return f"{where}: {self.reason}"
+
 
 class ClusterStats(BaseModel):
     """One cluster of a pool over several (:mod:`sandpool.core.backends.multi`).
@@ -309,8 +319,7 @@ class Report(BaseModel):
             lines.append(f"    {pol:<10} n={int(s['n'])} mean {s['mean']:.3f} resolved {int(s['resolved'])}")
         if self.rejected:
             lines.append(f"  rejected     {len(self.rejected)} tasks (input errors):")
-            lines += [f"    {'row ' + str(r.row) + ': ' if r.row is not None else ''}{r.task_id or '-'}: "
-                      f"{r.reason}" for r in self.rejected[:10]]
+            lines += [f"    {r.describe()}" for r in self.rejected[:10]]
         lines += [f"  warning      {w}" for w in self.warnings]
         lines.append(f"  wall time    {self.wall_time_s:.1f} s")
         return "\n".join(lines)

@@ -74,8 +74,8 @@ def read_rows(source: str | Path, *, split: str | None = None) -> Iterator[tuple
             try:
                 yield i, json.loads(text)
             except json.JSONDecodeError as exc:  # one bad line never stops the batch
-                yield i, TaskValidationError(f"row {i}: not valid JSON ({exc.msg} at column {exc.colno})",
-                                             row=i)
+                yield i, TaskValidationError(f"row {i}: not valid JSON ({exc.msg} at column {exc.colno}); "
+                                             "fix: one whole JSON object per line", row=i)
     elif suffix == ".json":
         try:
             doc = json.loads(path.read_text())
