@@ -3,7 +3,7 @@
 Without a terminal (CI, ``nohup``, a pipe) rich draws a bar once, at the end, cut to 80
 columns (``rollouts ━━━━ 112… 0:0…``). There :class:`Progress` prints plain lines instead,
 every figure whole: one at the start, one every ``every_s`` seconds while results come, and
-one at the end::
+one at the end; a job with no units (its total unknown or 0, nothing done) prints none::
 
     rollouts 112/448 (25%) 0:01:23  completed 110  infra_failed 0  task_failed 2  rejected 0
 """
@@ -59,7 +59,7 @@ class Progress:
         self._t0 = self.clock()
         if self._bar is not None:
             self._bar.start()
-        else:
+        elif self.total:
             self._line()
         return self
 
@@ -67,7 +67,7 @@ class Progress:
                  tb: TracebackType | None) -> None:
         if self._bar is not None:
             self._bar.stop()
-        elif self._shown != self.done:
+        elif self._shown != self.done and (self.total or self.done):
             self._line()
 
     def set_total(self, total: int) -> None:
@@ -75,6 +75,8 @@ class Progress:
         self.total = total
         if self._bar is not None:
             self._bar.update(self._job, total=total)
+        elif total and self._shown < 0:  # the start line, held back while the total was unknown
+            self._line()
 
     def advance(self, status: str = "") -> None:
         """One unit done; ``status`` (counts by kind, say) is shown after the figures."""

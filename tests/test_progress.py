@@ -40,4 +40,19 @@ def test_an_interrupted_job_logs_where_it_stopped_and_an_unknown_total_shows_as_
             raise KeyboardInterrupt
     except KeyboardInterrupt:
         pass
-    assert out.getvalue().splitlines() == ["validate 0/? 0:00:00", "validate 1/? 1:02:05"]
+    assert out.getvalue().splitlines() == ["validate 1/? 1:02:05"]
+
+
+def test_a_job_found_to_have_no_units_prints_nothing_and_one_found_to_have_some_starts_then():
+    # sandpool run's validation learns its total once started: 0 when every task was
+    # validated before, where a lone "validate 0/?" line read as a job that never ran.
+    for total, expected in [(0, []), (2, ["validate 0/2 (0%) 0:00:01", "validate 2/2 (100%) 0:00:03"])]:
+        out = io.StringIO()
+        now = 0.0
+        with Progress("validate", None, Console(file=out), transient=True, clock=lambda: now) as bar:
+            now = 1.0
+            bar.set_total(total)
+            for _ in range(total):
+                now += 1.0
+                bar.advance()
+        assert out.getvalue().splitlines() == expected
