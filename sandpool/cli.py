@@ -117,7 +117,7 @@ def _validate(path: Path, tasks_out: Path, report_out: Path, *, concurrency: int
                                             cache=ValidationCache()))
     result.write(tasks_out, report_out)
     print(result.render_text())
-    console.print(f"passing tasks: {tasks_out}  verdicts: {report_out}")
+    console.print(f"passing tasks: {tasks_out}  verdicts: {report_out}", soft_wrap=True)
     return len(result.broken)
 
 
@@ -231,7 +231,7 @@ def run(
             raise typer.Exit(2) from None
     js, txt = report.write(out)
     print(report.render_text())
-    console.print(f"reports: {txt}  {js}  {results_path}")
+    console.print(f"reports: {txt}  {js}  {results_path}", soft_wrap=True)  # whole paths in a log
 
 
 @app.command()
@@ -320,7 +320,7 @@ def bench(
     except errors.FatalError as exc:
         console.print(f"[red]error:[/] {exc}")
         raise typer.Exit(2) from None
-    console.print("reports: " + "  ".join(str(p) for p in paths))
+    console.print("reports: " + "  ".join(str(p) for p in paths), soft_wrap=True)
 
 
 @app.command("build-pack")

@@ -127,3 +127,5 @@ def test_a_run_without_a_terminal_logs_every_figure_and_leaves_no_process(
     assert re.fullmatch(r"rollouts 2/2 \(100%\) \d+:\d\d:\d\d  completed (\d) {2}infra_failed (\d) "
                         r"{2}task_failed (\d) {2}rejected (\d)", lines[-1]), lines
     assert "…" not in res.stderr and "━" not in res.stderr
+    paths = [str(tmp_path / f) for f in ("report.txt", "report.json", "rollouts.jsonl")]
+    assert f"reports: {'  '.join(paths)}" in res.stderr.splitlines()  # not wrapped at 80 columns
