@@ -78,6 +78,38 @@ def test_the_readme_python_example_runs_as_written(default_pack_path: Path, tmp_
     assert float(ttfc) > 0
 
 
+def test_the_readme_snapshot_example_runs_as_written(default_pack_path: Path, tmp_path: Path) -> None:
+    import re
+    import subprocess
+    import sys
+    import textwrap
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Snapshots, forks"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    script = tmp_path / "example.py"
+    script.write_text(f"""import asyncio
+from sandpool.core import SandboxPool
+from sandpool.core.backends.local import LocalBackend
+from sandpool.envs.tasks import load_tasks
+
+async def body(pool, task):
+{textwrap.indent(code, "    ")}
+    print(snap.content_hash == lease.restored_from.content_hash, len(kids), lease.restored_from is not None)
+
+async def main():
+    async with SandboxPool(LocalBackend(), strategy="reuse") as pool:
+        await body(pool, load_tasks({str(default_pack_path)!r})[0])
+
+asyncio.run(main())
+""")
+    res = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["True", "4", "True"]
+    assert (tmp_path / "step3.snap").is_file()
+
+
 # Runs a command as a child subreaper (every orphan of its tree becomes ours), then reports
 # what of that tree is still running once the command has exited, and kills it. Zombies are
 # reaped first: a process whose parent was SIGKILLed (a sandbox's init when its bubblewrap
