@@ -64,7 +64,11 @@ async def test_a_snapshot_of_an_unchanged_sandbox_restores_the_image(test_images
     async with _pool(test_images_root) as pool:
         async with pool.claim(calc_task) as lease:
             snap = await lease.snapshot()
+            first = lease.id
+        # The sandbox was reset in place (its upper layer holds the reset's refreshed index):
+        # it takes the snapshot as a fresh one would, verified, not quarantined.
         async with pool.claim(calc_task, from_snapshot=snap) as lease:
+            assert lease.id == first and pool.counters.quarantines == 0, pool.counters.quarantine_reasons
             assert (await lease.exec("git status --porcelain")).text == ""
             assert (await lease.exec("git rev-parse HEAD")).text.strip() == calc_task.base_commit
 

@@ -297,9 +297,11 @@ def _stack_repo(sb: LocalSandbox, snap: Snapshot, views: Path) -> None:
     layers = [snap.location / x["part"] for x in snap.detail["layers"]]
     stack = Stack(snap, layers, [x["hash"] for x in snap.detail["layers"]])
     sb.stack = stack
-    if not layers:
+    if not layers and not _has_entries(sb.upper):
         _layers.set_root(sb.upper, snap.detail["root"], sb.ids.base)
         return
+    # Layers to stack, or none over an own layer that is not empty (a reset leaves its
+    # refreshed index there): a new empty upper over the image is the snapshot's state.
     views.mkdir(exist_ok=True)
     targets = []
     for _ in layers:
