@@ -181,6 +181,9 @@ def test_make_oracle_rollout_gets_reward_1_and_noop_gets_0(opts: dict, task: Tas
         report = env.unwrapped.report()
         assert report.failures["completed"] == 2 and report.reward.resolved == 1
         assert report.ttfc.n == 2
+        # No policy is named here: the reward line stands alone, no row for a policy "-".
+        text = report.render_text()
+        assert "reward       mean 0.500 over 2 scored, 1 resolved" in text and "    -  " not in text
     finally:
         env.close()
 

@@ -315,7 +315,8 @@ class Report(BaseModel):
             f"  reward       mean {'-' if self.reward.mean is None else f'{self.reward.mean:.3f}'} over "
             f"{self.reward.scored} scored, {self.reward.resolved} resolved",
         ]
-        for pol, s in self.reward.by_policy.items():
+        # A caller that names no policy (Gymnasium, NeMo Gym) gets no breakdown repeating the mean.
+        for pol, s in self.reward.by_policy.items() if list(self.reward.by_policy) != ["-"] else ():
             lines.append(f"    {pol:<10} n={int(s['n'])} mean {s['mean']:.3f} resolved {int(s['resolved'])}")
         if self.rejected:
             lines.append(f"  rejected     {len(self.rejected)} tasks (input errors):")
