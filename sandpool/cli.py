@@ -294,6 +294,8 @@ def bench(
             console.print(f"[red]error:[/] --simulate needs {exc.name}: pip install 'sandpool[sim]'")
             raise typer.Exit(2) from None
         predict(["--out", str(out)])
+        written = [out / n for n in ("simulate.txt", "simulate.json", "simulate_ttfc_cdf.png")]
+        console.print("reports: " + "  ".join(str(p) for p in written if p.exists()), soft_wrap=True)
         return
     from sandpool.bench import BenchConfig, run_bench
 

@@ -64,6 +64,7 @@ def test_bench_simulate_prints_predictions_marked_as_predicted(tmp_path, monkeyp
     # Each column names what it predicts: the shape, the clusters, the rate for the study.
     assert "reuse 8x2 1c" in result.output and "pods 1000x4 adaptive" in result.output
     assert (tmp_path / "simulate.json").exists() and (tmp_path / "simulate_ttfc_cdf.png").exists()
+    assert f"reports: {tmp_path / 'simulate.txt'}  {tmp_path / 'simulate.json'}" in result.output
 
 
 def test_shared_capacity_is_split_among_the_jobs_in_flight():
