@@ -43,6 +43,13 @@ def test_an_unknown_strategy_names_the_option_and_the_choices_before_any_work(tm
 
 
 @pytest.mark.parametrize("command", ["run", "validate"])
+def test_a_directory_given_as_the_task_file_is_named_as_one(command: str, tmp_path: Path) -> None:
+    res = CliRunner().invoke(app, [command, "--tasks", str(tmp_path)])
+    assert res.exit_code == 2
+    assert f"{tmp_path}: a directory, not a task file" in " ".join(res.output.split())
+
+
+@pytest.mark.parametrize("command", ["run", "validate"])
 def test_a_task_file_without_rows_is_refused_not_run_as_zero_tasks(command: str, tmp_path: Path) -> None:
     empty = tmp_path / "tasks.jsonl"
     empty.write_text("\n\n")

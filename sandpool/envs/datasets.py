@@ -94,6 +94,8 @@ def read_rows(source: str | Path, *, split: str | None = None) -> Iterator[tuple
     elif path.exists() or suffix:
         if not path.exists():
             raise FileNotFoundError(f"no such task file: {path}")
+        if path.is_dir():
+            raise InputError(f"{path}: a directory, not a task file; give a .jsonl, .json or .parquet file")
         raise InputError(f"{path}: unknown task file type {suffix!r}; use .jsonl, .json or .parquet")
     else:
         yield from _hub_rows(str(source), split)
