@@ -31,7 +31,7 @@ def _default_tasks() -> Path:
     from sandpool.envs.taskpack import RichBuildProgress, build_default_pack
 
     console.print("[bold]task pack[/]: the default pack (built on the first run, then cached)")
-    with RichBuildProgress() as show:
+    with RichBuildProgress(console) as show:
         return build_default_pack(progress=show)
 
 

@@ -59,6 +59,16 @@ def test_a_task_file_without_rows_is_refused_not_run_as_zero_tasks(command: str,
     assert not (tmp_path / "out").exists()
 
 
+def test_build_pack_prints_only_the_path_on_stdout(default_pack_path: Path) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "sandpool.cli", "build-pack"], capture_output=True,
+                         text=True, timeout=600)  # usable as TASKS=$(sandpool build-pack)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout == f"{default_pack_path}\n"
+
+
 def test_images_list_is_the_same_as_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SANDPOOL_HOME", str(tmp_path))
     plain, listed = CliRunner().invoke(app, ["images"]), CliRunner().invoke(app, ["images", "list"])
