@@ -22,6 +22,7 @@ import gymnasium as gym
 import pytest
 
 from sandpool.core import Outcome, ResourceLimits, SandboxPool, errors, run_rollout
+from sandpool.core.agent.client import READ_MAX
 from sandpool.core.backends.local import LocalBackend, LocalSandbox
 from sandpool.core.task import Task
 from sandpool.envs.grading import grade
@@ -171,12 +172,13 @@ def test_agent_killed_from_the_host_is_nan_mid_episode_and_graded_again_in_gymna
 
 async def test_memory_exhausted_by_the_policy_kills_the_agent_and_is_scored(test_images_root, calc_task):
     # The agent's group allows the policy's 64 MB plus the agent's own margin; the policy's
-    # sparse 1 GB file, read whole by the episode, exhausts it: the kernel kills the agent.
+    # sparse file, read whole by the episode many times at once (each read within the agent's
+    # read cap), exhausts it: the kernel kills the agent.
     backend = LocalBackend(test_images_root, limits=ResourceLimits(memory_bytes=64 * 2**20))
 
     async def episode(lease) -> float:
-        assert (await lease.exec("truncate -s 1G /tmp/answer.txt")).ok
-        await lease.read_file("/tmp/answer.txt")
+        assert (await lease.exec(f"truncate -s {READ_MAX} /tmp/answer.txt")).ok
+        await asyncio.gather(*(lease.read_file("/tmp/answer.txt") for _ in range(16)))
         return 1.0
 
     async with SandboxPool(backend, "reuse") as pool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from sandpool.core import errors
 from sandpool.core.task import Task
 from sandpool.envs.grading import grade
 from sandpool.envs.grading.capture import capture_patch
@@ -283,9 +282,9 @@ async def _huge_report(sb) -> None:
     await sb.write_file("calc.py", _HUGE_REPORT.encode() + old)
 
 
-async def test_a_huge_report_is_an_infra_failure_in_place_and_scored_zero_by_diff(local_backend, calc_task):
-    with pytest.raises(errors.InfraError):  # unscored: a failing policy's way out of its 0
-        await _in_place(local_backend, calc_task, _huge_report)
+async def test_a_huge_report_is_scored_zero_in_place_and_by_diff(local_backend, calc_task):
+    # In place, the report is read with the agent's read cap: too large is EFBIG, no report.
+    assert await _in_place(local_backend, calc_task, _huge_report) == 0.0
     result = await _by_diff(local_backend, calc_task, _huge_report)
     assert result.reward == 0.0
     assert "verdict report exceeded" in (result.error or ""), result

@@ -164,7 +164,8 @@ class Sandbox(abc.ABC):
 
         Raises:
             SandboxFileError: The path cannot be read (its ``errno``: ``ENOENT`` as a
-                ``FileNotFoundError``, ``EACCES`` as a ``PermissionError``, ``EISDIR``, ...).
+                ``FileNotFoundError``, ``EACCES`` as a ``PermissionError``, ``EISDIR``,
+                ``EFBIG`` for a file over the backend's read cap, 32 MiB for the agent's, ...).
                 The policy's result, never an infra failure.
             SandboxDied, ExecTransportError: As for :meth:`exec`.
         """

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from sandpool.core import Outcome, SandboxPool, Task, errors, run_rollout
-from sandpool.core.agent.client import AgentStarved
+from sandpool.core.agent.client import READ_MAX, AgentStarved
 from sandpool.core.backends.kubernetes import KubernetesBackend
 from sandpool.core.classify import Verdict, classify
 from sandpool.envs.grading import grade
@@ -166,15 +166,16 @@ async def test_the_agent_killed_from_the_node_is_infra(cluster, namespace, real_
 async def test_the_agent_oom_killed_by_the_pods_memory_limit_is_the_policys(
     cluster, namespace, real_node, real_images
 ):
-    """The policy leaves a sparse 1 GiB file; the episode reads it whole through the agent,
-    whose memory then exceeds the pod's limit: the kubelet reports the container OOMKilled,
-    and the death is the policy's (as on the local backend)."""
+    """The policy leaves a sparse file as large as a read may return; the episode reads it
+    whole through the agent many times at once, whose memory then exceeds the pod's limit:
+    the kubelet reports the container OOMKilled, and the death is the policy's (as on the
+    local backend)."""
     backend = real_backend(cluster, namespace, real_node)
     try:
         sb = await backend.create(real_images["swe"])
-        assert (await sb.exec("truncate -s 1G /tmp/answer.txt", timeout=60)).ok
+        assert (await sb.exec(f"truncate -s {READ_MAX} /tmp/answer.txt", timeout=60)).ok
         with pytest.raises(errors.SandboxExhausted) as caught:
-            await sb.read_file("/tmp/answer.txt")
+            await asyncio.gather(*(sb.read_file("/tmp/answer.txt") for _ in range(32)))
         assert classify(caught.value) is Verdict.POLICY and "OOMKilled" in str(caught.value), \
             caught.value
         assert not sb.alive()

@@ -12,8 +12,10 @@ Ops:
     exec        {cmd: str|list, timeout: s, cwd, env, max_output: bytes}
                 -> {exit_code, stdout(b64), stderr(b64), stdout_truncated, stderr_truncated,
                     timed_out, duration_s}
-    read_file   {path} -> {data(b64)} | {error: "os_error", errno, strerror}; a path that is not
-                a regular file (a FIFO, a device) is EINVAL, never a read that blocks
+    read_file   {path, max_bytes?} -> {data(b64)} | {error: "os_error", errno, strerror}; a path
+                that is not a regular file (a FIFO, a device) is EINVAL, never a read that
+                blocks; one over ``max_bytes`` (default :data:`_READ_MAX`) is EFBIG, never an
+                answer over the host's frame or the agent's memory
     write_file  {path, data(b64), mode} -> {} | {error: "os_error", errno, strerror}
     ps          {} -> {procs: [cmdline, ...]} (everything but the agent and pid 1)
     kill_strays {} -> {killed: n}
@@ -419,15 +421,28 @@ def _os_error(exc):
     return {"error": "os_error", "errno": exc.errno or 0, "strerror": exc.strerror or str(exc)}
 
 
+#: Bytes ``read_file`` returns at most (unless the request says): the policy sizes the file, so
+#: a larger one is its result (EFBIG), never an answer past the host's frame cap (base64 adds a
+#: third) or the agent's memory margin, which would end the channel as an infra failure.
+_READ_MAX = 32 << 20
+
+
 def _read_file(req):
+    limit = int(req.get("max_bytes") or _READ_MAX)
     try:
         # Regular files only, opened without blocking: a FIFO the policy put at the path would
         # hold the read (and the caller, until its wait ends as an infra error) forever.
         fd = os.open(req["path"], os.O_RDONLY | os.O_NONBLOCK)
         with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, "Invalid argument: not a regular file")
-            return {"data": base64.b64encode(f.read()).decode()}
+            # The size first (a sparse file costs the policy nothing); then at most one byte
+            # past the limit, as a file may grow, or say 0 and hold more (/proc's).
+            data = f.read(limit + 1) if st.st_size <= limit else b""
+            if st.st_size > limit or len(data) > limit:
+                raise OSError(errno.EFBIG, f"File too large: over the {limit} bytes a read may return")
+            return {"data": base64.b64encode(data).decode()}
     except OSError as exc:
         return _os_error(exc)
     except ValueError:  # a NUL byte in the path: no file can have that name

@@ -21,7 +21,8 @@ from sandpool.core import errors
 from sandpool.core.agent.channel import Channel
 from sandpool.core.base import ExecResult
 
-__all__ = ["AGENT_PATH", "AgentClient", "AgentOps", "AgentStarved", "agent_source", "exec_result"]
+__all__ = ["AGENT_PATH", "READ_MAX", "AgentClient", "AgentOps", "AgentStarved", "agent_source",
+           "exec_result"]
 
 #: The agent's source file, run unchanged in every sandbox of every backend.
 AGENT_PATH = Path(__file__).with_name("_agent.py")
@@ -29,6 +30,9 @@ AGENT_PATH = Path(__file__).with_name("_agent.py")
 TRANSPORT_GRACE_S = 10.0
 #: Bytes one answer line may take (a read_file answer carries the whole file, base64).
 MAX_FRAME = 256 << 20
+#: Bytes a ``read_file`` returns at most; a larger file is the policy's result, ``EFBIG``
+#: (its base64 stays far below :data:`MAX_FRAME`, its copies within the agent's memory margin).
+READ_MAX = 32 << 20
 #: Seconds a failed write waits for the channel's account of its end.
 _END_WAIT_S = 10.0
 
@@ -283,8 +287,9 @@ class AgentClient:
         return exec_result(msg)
 
     async def read_file(self, abs_path: str, shown: str) -> bytes:
-        """The bytes of ``abs_path``; raises the errno's ``SandboxFileError`` (named ``shown``)."""
-        msg = await self.call("read_file", 60.0, path=abs_path)
+        """The bytes of ``abs_path``; raises the errno's ``SandboxFileError`` (named ``shown``),
+        ``EFBIG`` for a file over :data:`READ_MAX`."""
+        msg = await self.call("read_file", 60.0, path=abs_path, max_bytes=READ_MAX)
         self._raise_os_error(msg, shown)
         return base64.b64decode(msg["data"])
 

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from sandpool.core import errors
+from sandpool.core.agent.client import READ_MAX
 from sandpool.core.backends.kubernetes._channel import (
     PROTOCOLS,
     STATUS,
@@ -357,10 +358,12 @@ class ShellExec:
         """``cat`` the file; ENOENT, EISDIR, EACCES as ``SandboxFileError``, else
         ``ExecTransportError``."""
         res = await self.exec(["/bin/sh", "-c", _READ, "sh", abs_path], timeout=120.0, cwd="/",
-                              env={}, max_output=1 << 31)
+                              env={}, max_output=READ_MAX)
         where = f"in sandbox {self._target.sandbox_id}"
         if res.exit_code in _READ_ERRNO:
             raise errors.sandbox_file_error(_READ_ERRNO[res.exit_code], shown, where)
+        if res.stdout_truncated:  # the policy's file, over the cap the agent has too
+            raise errors.sandbox_file_error(errno.EFBIG, shown, f"{where}: over {READ_MAX} bytes")
         if not res.ok:
             raise errors.ExecTransportError(
                 f"reading {shown} {where} failed (exit {res.exit_code}): {res.err_text.strip()[:200]}")
