@@ -245,10 +245,12 @@ class BudgetWatch:
 
     Made by :meth:`CgroupDriver.watch` when the sandbox's group is created, read when its
     agent dies or reports a resource it could not get (:meth:`evidence`), closed with the
-    sandbox (:meth:`close`). On cgroup v1 the group is the agent's: the policy's commands run
-    in ``work`` below it with a smaller budget, so their own OOM kills and refused forks
-    (counted in ``work``) are never evidence; only the group's limit, reached by everything in
-    it together, is. On v2 commands share the group, and any OOM or refused fork in it counts.
+    sandbox (:meth:`close`). The kernel's counts only grow while a reused sandbox lives on,
+    so :meth:`mark` (each time no process of a rollout is left) makes what was counted until
+    then no evidence: a death is a rollout's only for what its own processes made counted.
+    On cgroup v1 the group is the agent's: the policy's commands run in ``work`` below it
+    with a smaller budget, so their own OOM kills and refused forks (counted in ``work``) are
+    never evidence; only the group's limit, reached by everything in it together, is. On v2 commands share the group, and any OOM or refused fork in it counts.
 
     Attributes:
         driver: The driver the group belongs to.
@@ -261,6 +263,7 @@ class BudgetWatch:
     name: str
     oom_fd: int = -1
     _ooms: int = field(default=0, repr=False)
+    _base: tuple[int, int] = field(default=(0, 0), repr=False)  # (OOMs, refused forks) at the mark
 
     @classmethod
     def open(cls, driver: CgroupDriver, name: str) -> BudgetWatch:
@@ -280,28 +283,36 @@ class BudgetWatch:
             raise
         return watch
 
-    def evidence(self) -> list[str]:
-        """What the kernel counted against the group's own limits, one sentence each (empty:
-        nothing; then a death came from outside the sandbox). Never raises: a group already
-        removed reads as nothing counted."""
-        found = []
+    def _counts(self) -> tuple[int, int]:
+        """(OOMs, refused forks) the kernel counted in the group since it was made."""
         if self.driver.version == 1:
             if self.oom_fd >= 0:
                 try:
                     self._ooms += os.eventfd_read(self.oom_fd)
                 except (BlockingIOError, OSError):
                     pass
-            if self._ooms:
-                found.append(f"its memory limit was reached and the kernel's OOM killer ran in the "
-                             f"group of its agent ({self._ooms} time(s))")
-            refused = _count(_ROOT / "pids" / self.driver.parent / self.name / "pids.events", "max")
-        else:
-            group = _ROOT / self.driver.parent / self.name
-            ooms = _count(group / "memory.events", "oom")
-            if ooms:
-                found.append(f"its memory limit was reached and the kernel's OOM killer ran ({ooms} "
-                             "time(s))")
-            refused = _count(group / "pids.events", "max")
+            return self._ooms, _count(_ROOT / "pids" / self.driver.parent / self.name / "pids.events", "max")
+        group = _ROOT / self.driver.parent / self.name
+        return _count(group / "memory.events", "oom"), _count(group / "pids.events", "max")
+
+    def mark(self) -> None:
+        """No process of a rollout is left in the sandbox: what was counted until now is no
+        evidence against a later death. Never raises."""
+        self._base = self._counts()
+
+    def evidence(self) -> list[str]:
+        """What the kernel counted against the group's own limits since the last :meth:`mark`,
+        one sentence each (empty: nothing; then a death came from outside the sandbox). Never
+        raises: a group already removed reads as nothing counted."""
+        found = []
+        ooms, refused = self._counts()
+        ooms, refused = max(0, ooms - self._base[0]), max(0, refused - self._base[1])
+        if ooms and self.driver.version == 1:
+            found.append(f"its memory limit was reached and the kernel's OOM killer ran in the "
+                         f"group of its agent ({ooms} time(s))")
+        elif ooms:
+            found.append(f"its memory limit was reached and the kernel's OOM killer ran ({ooms} "
+                         "time(s))")
         if refused:
             found.append(f"its pid limit was reached: {refused} fork(s) refused in the group of its "
                          "agent")

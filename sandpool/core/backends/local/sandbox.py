@@ -136,6 +136,16 @@ class LocalSandbox(AgentSandbox):
         # own kills (delete, kill) never are.
         return [] if self.host_killed or self.budget is None else self.budget.evidence()
 
+    async def kill_strays(self) -> int:
+        """SIGKILL every process but the agent (see :meth:`Sandbox.kill_strays`); none of a
+        rollout is left then, so what its cgroup counted until now is no evidence against a
+        later death (:meth:`BudgetWatch.mark <sandpool.core.backends.local._cgroup.BudgetWatch.mark>`):
+        a reused sandbox's next rollout answers only for its own."""
+        killed = await super().kill_strays()
+        if self.budget is not None:
+            self.budget.mark()
+        return killed
+
     async def _wait_ready(self, timeout: float) -> None:
         try:
             await self._agent.ready(timeout)
