@@ -167,17 +167,18 @@ def run(
         console.print(f"[red]error:[/] --strategy {strategy}: use cold, warm or reuse")
         raise typer.Exit(2) from None
     try:
+        # The options first: a typo is reported before the task pack is built (minutes, once).
+        make_backend = _backend_factory(backend, network=network, kubeconfig=kubeconfig, namespace=namespace,
+                                        node_selector=node_selector, tolerate=tolerate, disk_mib=disk_mib)
+        policies = [get_policy(p.strip(), base_url=chat_url, model=model) for p in policy.split(",") if p.strip()]
         path = _default_tasks() if tasks == "default" else Path(tasks)
         rejected: list[RejectedTask] = []
         rows: dict[str, int] = {}
-        make_backend = _backend_factory(backend, network=network, kubeconfig=kubeconfig, namespace=namespace,
-                                        node_selector=node_selector, tolerate=tolerate, disk_mib=disk_mib)
         task_list = load_tasks(path, rejected=rejected, rows=rows,
                                resolve_base=local_base_resolver() if backend == "local" else None)
         _check_rows(tasks, task_list, rejected)
         if limit:
             task_list = task_list[:limit]
-        policies = [get_policy(p.strip(), base_url=chat_url, model=model) for p in policy.split(",") if p.strip()]
     except FileNotFoundError as exc:
         console.print(f"[red]error:[/] {_no_task_file(tasks, exc)}")
         raise typer.Exit(2) from None

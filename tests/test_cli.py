@@ -69,6 +69,17 @@ def test_build_pack_prints_only_the_path_on_stdout(default_pack_path: Path) -> N
     assert res.stdout == f"{default_pack_path}\n"
 
 
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--policy", "orcale", "policy='orcale' is not known; use oracle, noop or chat"),
+    ("--backend", "kube", "--backend 'kube': use local or kubernetes"),
+])
+def test_a_bad_option_is_reported_before_the_task_pack_is_built(option: str, value: str, says: str) -> None:
+    res = CliRunner().invoke(app, ["run", option, value])  # --tasks default: the pack, minutes on a first run
+    assert res.exit_code == 2
+    text = " ".join(res.output.split())
+    assert says in text and "task pack" not in text
+
+
 def test_images_list_is_the_same_as_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SANDPOOL_HOME", str(tmp_path))
     plain, listed = CliRunner().invoke(app, ["images"]), CliRunner().invoke(app, ["images", "list"])
