@@ -292,7 +292,8 @@ def bench(
         try:
             from sandpool.bench.predict import main as predict
         except ImportError as exc:
-            console.print(f"[red]error:[/] --simulate needs {exc.name}: pip install 'sandpool[sim]'")
+            fix = escape("in sandpool's clone, pip install -e '.[sim]'")  # [sim] is not rich markup
+            console.print(f"[red]error:[/] --simulate needs {exc.name}: {fix}", soft_wrap=True)
             raise typer.Exit(2) from None
         predict(["--out", str(out)])
         written = [out / n for n in ("simulate.txt", "simulate.json", "simulate_ttfc_cdf.png")]

@@ -80,6 +80,18 @@ def test_a_bad_option_is_reported_before_the_task_pack_is_built(option: str, val
     assert says in text and "task pack" not in text
 
 
+def test_bench_simulate_without_its_extra_says_how_to_install_it_from_the_clone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    for name in [m for m in sys.modules if m.startswith("sandpool.bench")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "simpy", None)  # as if not installed: import raises
+    res = CliRunner().invoke(app, ["bench", "--simulate"])
+    assert res.exit_code == 2
+    assert "--simulate needs simpy: in sandpool's clone, pip install -e '.[sim]'" in res.output
+
+
 def test_images_list_is_the_same_as_images(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SANDPOOL_HOME", str(tmp_path))
     plain, listed = CliRunner().invoke(app, ["images"]), CliRunner().invoke(app, ["images", "list"])
