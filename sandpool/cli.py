@@ -164,7 +164,7 @@ def run(
     try:  # before the pack is built or a task validated
         get_strategy(strategy)
     except errors.ConfigError:
-        console.print(f"[red]error:[/] --strategy {strategy}: use cold, warm or reuse")
+        console.print(f"[red]error:[/] --strategy {strategy}: use cold, warm or reuse", soft_wrap=True)
         raise typer.Exit(2) from None
     try:
         # The options first: a typo is reported before the task pack is built (minutes, once).
@@ -180,16 +180,16 @@ def run(
         if limit:
             task_list = task_list[:limit]
     except FileNotFoundError as exc:
-        console.print(f"[red]error:[/] {_no_task_file(tasks, exc)}")
+        console.print(f"[red]error:[/] {escape(_no_task_file(tasks, exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     except errors.InputError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     if not no_validate:
         try:
             task_list, broken = _validate_first(task_list, backend=make_backend)
         except errors.FatalError as exc:
-            console.print(f"[red]error:[/] {exc}")
+            console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(2) from None
         rejected += [r.model_copy(update={"row": rows.get(r.task_id or "")}) for r in broken]
     for r in rejected:
@@ -207,7 +207,8 @@ def run(
         try:
             metrics.serve(metrics_port)
         except OSError as exc:
-            console.print(f"[red]error:[/] --metrics-port {metrics_port}: {exc}; pick a free port")
+            console.print(f"[red]error:[/] --metrics-port {metrics_port}: {escape(str(exc))}; pick a free port",
+                          soft_wrap=True)
             raise typer.Exit(2) from None
         console.print(f"metrics: http://127.0.0.1:{metrics_port}/metrics")
 
@@ -228,7 +229,7 @@ def run(
                           "rerun with --resume to continue")
             raise typer.Exit(130) from None
         except (errors.FatalError, errors.InputError) as exc:
-            console.print(f"[red]error:[/] {exc}")
+            console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(2) from None
     js, txt = report.write(out)
     print(report.render_text())
@@ -255,10 +256,10 @@ def validate(
         broken = _validate(path, out / "validated.jsonl", out / "validation.json", concurrency=concurrency,
                            grade_timeout=grade_timeout)
     except FileNotFoundError as exc:
-        console.print(f"[red]error:[/] {_no_task_file(tasks, exc)}")
+        console.print(f"[red]error:[/] {escape(_no_task_file(tasks, exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     except (errors.InputError, errors.FatalError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     if broken:
         raise typer.Exit(1)
@@ -310,19 +311,20 @@ def bench(
         report = asyncio.run(run_bench(cfg, say=lambda line: console.print(line, highlight=False)))
     except ValidationError as exc:
         err = exc.errors()[0]
-        console.print(f"[red]error:[/] --{'-'.join(str(x) for x in err['loc'])}: {err['msg']}")
+        option = "--" + "-".join(str(x) for x in err["loc"])
+        console.print(f"[red]error:[/] {option}: {escape(err['msg'])}", soft_wrap=True)
         raise typer.Exit(2) from None
     except FileNotFoundError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     except (errors.InputError, errors.FatalError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     print(report.render_text())
     try:
         paths = report.write(out, f"bench_{backend}")
     except errors.FatalError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     console.print("reports: " + "  ".join(str(p) for p in paths), soft_wrap=True)
 
@@ -354,7 +356,7 @@ def gc(
         try:
             found = asyncio.run(kubernetes.gc(run_id, kubeconfig=kubeconfig or None, namespace=namespace))
         except errors.SandpoolError as exc:
-            console.print(f"[red]error:[/] {exc}")
+            console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
             raise typer.Exit(2) from None
         print(f"run {run_id} in namespace {namespace}: deleted "
               + ", ".join(f"{n} {res}" for res, n in found.items()))

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sandpool.core import errors
 
@@ -63,7 +64,7 @@ def images_pull(
     try:
         img = hydrate(source, name=name or None, tls_verify=tls_verify)
     except (errors.InputError, errors.FatalError, OSError) as exc:
-        console.print(f"[red]error:[/] {exc}")
+        console.print(f"[red]error:[/] {escape(str(exc))}", soft_wrap=True)
         raise typer.Exit(2) from None
     print(f"{img.name} -> {img.digest} ({len(img.layers)} layers, {_size(img.size)}, repo {img.repo_dir}, "
           f"HEAD {img.head or '-'})")
@@ -75,7 +76,7 @@ def images_rm(name: Annotated[str, typer.Argument(help="An image name.")]) -> No
     from sandpool.core.images import ImageStore
 
     if not ImageStore().remove(name):
-        console.print(f"[red]error:[/] no image named {name!r}; see `sandpool images`")
+        console.print(f"[red]error:[/] no image named {escape(repr(name))}; see `sandpool images`", soft_wrap=True)
         raise typer.Exit(2)
     print(f"removed {name}")
 

@@ -20,6 +20,14 @@ def test_a_missing_task_file_names_the_option_and_the_fix(command: str, tmp_path
     assert "'default'" in text
 
 
+@pytest.mark.parametrize("command", ["run", "validate"])
+def test_an_error_keeps_the_brackets_of_what_it_names(command: str, tmp_path: Path) -> None:
+    missing = tmp_path / "tasks[verified].jsonl"  # brackets rich would take for markup
+    res = CliRunner().invoke(app, [command, "--tasks", str(missing)])
+    assert res.exit_code == 2
+    assert f"--tasks {missing}: no such file" in " ".join(res.output.split())
+
+
 @pytest.mark.parametrize("option", ["--rollouts", "--concurrency"])
 def test_run_refuses_a_count_below_one(option: str) -> None:
     res = CliRunner().invoke(app, ["run", option, "0"])
