@@ -12,7 +12,7 @@ import errno
 import pytest
 
 from sandpool.core import Outcome, PoolLimits, SandboxPool, errors, run_rollout
-from sandpool.core.agent.client import READ_MAX
+from sandpool.core.agent.client import MAX_OUTPUT, READ_MAX
 from sandpool.core.backends.local import LocalBackend
 
 from .conftest import CALC_IMAGE
@@ -44,3 +44,14 @@ async def test_a_policy_reading_a_file_it_made_huge_is_scored_not_recovered(test
             Outcome.TASK_FAILED, 0.0, 1, 0), result.error
         assert result.error_kind == "file_error" and "EFBIG" in (result.error or "")
         assert pool.counters.infra_errors == {} and pool.counters.recoveries == 0
+
+
+async def test_output_past_any_cap_the_caller_asks_is_cut_not_a_broken_channel(local_backend):
+    # The caller allows 300 MiB a stream; the policy prints 170 MiB on each (base64: past
+    # what one answer could carry).
+    sb = await local_backend.create(CALC_IMAGE)
+    res = await sb.exec("head -c 170M /dev/zero; head -c 170M /dev/zero >&2", max_output=300 << 20,
+                        timeout=120)
+    assert res.exit_code == 0 and res.stdout_truncated and res.stderr_truncated
+    assert len(res.stdout) == len(res.stderr) == MAX_OUTPUT
+    assert sb.alive() and (await sb.exec("echo ok")).text == "ok\n"

@@ -148,7 +148,8 @@ class Sandbox(abc.ABC):
                 group is killed and ``timed_out`` is set.
             cwd: Working directory inside the sandbox (default: ``workdir``).
             env: Extra environment variables.
-            max_output: Cap in bytes on each of stdout and stderr.
+            max_output: Cap in bytes on each of stdout and stderr (the agent's backends cut
+                at 160 MiB whatever this says, so an answer never outgrows its channel).
 
         Returns:
             The :class:`ExecResult`.

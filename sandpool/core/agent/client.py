@@ -21,18 +21,24 @@ from sandpool.core import errors
 from sandpool.core.agent.channel import Channel
 from sandpool.core.base import ExecResult
 
-__all__ = ["AGENT_PATH", "READ_MAX", "AgentClient", "AgentOps", "AgentStarved", "agent_source",
-           "exec_result"]
+__all__ = ["AGENT_PATH", "MAX_OUTPUT", "READ_MAX", "AgentClient", "AgentOps", "AgentStarved",
+           "agent_source", "exec_result"]
 
 #: The agent's source file, run unchanged in every sandbox of every backend.
 AGENT_PATH = Path(__file__).with_name("_agent.py")
 #: Seconds an answer may take past a command's own timeout before the channel counts as broken.
 TRANSPORT_GRACE_S = 10.0
-#: Bytes one answer line may take (a read_file answer carries the whole file, base64).
-MAX_FRAME = 256 << 20
 #: Bytes a ``read_file`` returns at most; a larger file is the policy's result, ``EFBIG``
 #: (its base64 stays far below :data:`MAX_FRAME`, its copies within the agent's memory margin).
 READ_MAX = 32 << 20
+#: Bytes of each of a command's stdout and stderr the agent returns at most, whatever cap the
+#: caller asks for (the largest sandpool asks for is a Kubernetes snapshot's change set): the
+#: policy sizes its output, and an answer past :data:`MAX_FRAME` would end the channel, an
+#: infra failure.
+MAX_OUTPUT = 160 << 20
+#: Bytes one answer line may take: both streams of a command at :data:`MAX_OUTPUT`, base64,
+#: with room for the rest of the answer (a read_file answer, at most :data:`READ_MAX`, is less).
+MAX_FRAME = 2 * (MAX_OUTPUT * 4 // 3) + (16 << 20)
 #: Seconds a failed write waits for the channel's account of its end.
 _END_WAIT_S = 10.0
 
@@ -281,9 +287,10 @@ class AgentClient:
 
     async def exec(self, cmd: str | list[str], *, timeout: float, cwd: str, env: dict[str, str],
                    max_output: int) -> ExecResult:
-        """Run ``cmd`` (see :meth:`Sandbox.exec`); ``cwd`` is absolute."""
+        """Run ``cmd`` (see :meth:`Sandbox.exec`); ``cwd`` is absolute. Each stream is cut at
+        ``max_output`` bytes, and at :data:`MAX_OUTPUT` whatever ``max_output`` says."""
         msg = await self.call("exec", timeout + TRANSPORT_GRACE_S, cmd=cmd, timeout=timeout,
-                              cwd=cwd, env=env, max_output=max_output)
+                              cwd=cwd, env=env, max_output=min(max_output, MAX_OUTPUT))
         return exec_result(msg)
 
     async def read_file(self, abs_path: str, shown: str) -> bytes:
