@@ -21,7 +21,7 @@ from pathlib import Path
 import gymnasium as gym
 import pytest
 
-from sandpool.core import Outcome, ResourceLimits, SandboxPool, errors, run_rollout
+from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, errors, run_rollout
 from sandpool.core.agent.client import READ_MAX
 from sandpool.core.backends.local import LocalBackend, LocalSandbox
 from sandpool.core.task import Task
@@ -54,6 +54,24 @@ def _running(backend: LocalBackend, needle: str) -> LocalSandbox | None:
 
 def _kill_agent(sb: LocalSandbox) -> None:
     os.kill(_agent_pid(sb), signal.SIGKILL)  # from the host, as an OOM killer or operator would
+
+
+async def _starve_agent(backend: LocalBackend, lease) -> float:
+    """A fork bomb holds every pid its commands may have; commands started beside it push the
+    sandbox's total to its limit, and the agent is refused threads (the policy's 0)."""
+    bomb = asyncio.create_task(lease.exec(
+        "for i in 1 2 3 4; do (while :; do sleep 1000 & done 2>/dev/null) & done; sleep 1000",
+        timeout=300))
+    group = Path(f"/sys/fs/cgroup/pids/sandpool/{backend.run_id}/{lease.sandbox.id}/work")
+    await until(lambda: int((group / "pids.events").read_text().split()[1]) > 0,
+                "the bomb to reach its pid limit")
+    results = await asyncio.gather(*(lease.exec("sleep 2") for _ in range(60)),
+                                   return_exceptions=True)
+    bomb.cancel()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return 1.0
 
 
 async def _rollout(backend: LocalBackend, task: Task, attack) -> tuple[object, SandboxPool]:
@@ -188,24 +206,10 @@ async def test_memory_exhausted_by_the_policy_kills_the_agent_and_is_scored(test
 
 
 async def test_a_fork_bomb_that_starves_the_agent_is_scored(test_images_root, calc_task):
-    # The bomb holds every pid its commands may have; commands started beside it push the
-    # sandbox's total to its limit, and the agent is refused threads.
     backend = LocalBackend(test_images_root, limits=ResourceLimits(pids=64))
 
     async def episode(lease) -> float:
-        bomb = asyncio.create_task(lease.exec(
-            "for i in 1 2 3 4; do (while :; do sleep 1000 & done 2>/dev/null) & done; sleep 1000",
-            timeout=300))
-        group = Path(f"/sys/fs/cgroup/pids/sandpool/{backend.run_id}/{lease.sandbox.id}/work")
-        await until(lambda: int((group / "pids.events").read_text().split()[1]) > 0,
-                    "the bomb to reach its pid limit")
-        results = await asyncio.gather(*(lease.exec("sleep 2") for _ in range(60)),
-                                       return_exceptions=True)
-        bomb.cancel()
-        for r in results:
-            if isinstance(r, BaseException):
-                raise r
-        return 1.0
+        return await _starve_agent(backend, lease)
 
     async with SandboxPool(backend, "reuse") as pool:
         result = await run_rollout(pool, calc_task, episode)
@@ -235,3 +239,37 @@ async def test_a_bomb_within_the_policys_own_budget_leaves_the_rollout_scored(te
     async with SandboxPool(backend, "reuse") as pool:
         result = await run_rollout(pool, calc_task, episode)
     assert (result.outcome, result.reward, result.attempts) == (Outcome.COMPLETED, 0.0, 1), result
+
+
+# A reused sandbox keeps its cgroup, whose OOM and refused-fork counts only grow: they are
+# evidence for the rollout that made them, never for a later rollout of the same sandbox.
+async def test_a_starved_agent_of_one_rollout_is_no_evidence_against_the_next(test_images_root, calc_task):
+    backend = LocalBackend(test_images_root, limits=ResourceLimits(pids=64))
+    used: list[str] = []
+
+    async def starve(lease) -> float:
+        used.append(lease.sandbox.id)
+        return await _starve_agent(backend, lease)
+
+    attempts = 0
+
+    async def honest(lease) -> float:
+        nonlocal attempts
+        attempts += 1
+        used.append(lease.sandbox.id)
+        if attempts == 1:  # the host kills its agent between two steps: infra, retried
+            assert (await lease.exec("echo step 1")).ok
+            _kill_agent(lease.sandbox)
+            await until(lambda: not lease.sandbox.alive(), "the killed agent's channel to close")
+            await lease.exec("echo step 2")
+        await lease.write_file("/tmp/gold.patch", calc_task.patch.encode())
+        assert (await lease.exec("git apply /tmp/gold.patch")).ok
+        return (await grade(lease, calc_task)).reward
+
+    async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
+        first = await run_rollout(pool, calc_task, starve)
+        assert (first.outcome, first.error_kind) == (Outcome.TASK_FAILED, "sandbox_exhausted"), first
+        second = await run_rollout(pool, calc_task, honest, rollout=1)
+    assert used[1] == used[0], "the second rollout must reuse the starved sandbox"
+    assert (second.outcome, second.reward, second.attempts) == (Outcome.COMPLETED, 1.0, 2), second
+    assert pool.counters.infra_errors == {"sandbox_died": 1}, pool.counters.infra_errors
