@@ -250,7 +250,8 @@ class BudgetWatch:
     then no evidence: a death is a rollout's only for what its own processes made counted.
     On cgroup v1 the group is the agent's: the policy's commands run in ``work`` below it
     with a smaller budget, so their own OOM kills and refused forks (counted in ``work``) are
-    never evidence; only the group's limit, reached by everything in it together, is. On v2 commands share the group, and any OOM or refused fork in it counts.
+    never evidence; only the group's limit, reached by everything in it together, is. On v2
+    commands share the group, and any OOM or refused fork in it counts.
 
     Attributes:
         driver: The driver the group belongs to.
