@@ -195,3 +195,34 @@ async def test_a_policy_starving_the_agents_cpu_during_reads_is_not_infra(test_i
         result = await run_rollout(pool, calc_task, episode, retries=0)
     print("RESULT", result.outcome, result.error_kind, result.reward, (result.error or "")[:300])
     assert result.outcome != Outcome.INFRA_FAILED, (result.error_kind, result.error)
+
+
+async def test_shm_filling_the_commands_memory_before_grading_is_scored_not_infra(test_images_root, calc_task):
+    # /dev/shm's pages stay charged to the commands' memory group after kill_strays (its tmpfs
+    # is new only at the reset): grading's own commands then start in a full group.
+    async def episode(lease) -> float:
+        await lease.write_file("/tmp/gold.patch", calc_task.patch.encode())
+        assert (await lease.exec("git apply /tmp/gold.patch")).ok
+        await lease.exec("head -c 300M /dev/zero > /dev/shm/fill", timeout=60)
+        return (await grade(lease, calc_task)).reward
+
+    backend = LocalBackend(test_images_root, limits=ResourceLimits(memory_bytes=256 << 20))
+    async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
+        result = await run_rollout(pool, calc_task, episode, retries=0)
+    print("RESULT", result.outcome, result.error_kind, result.reward, (result.error or "")[:400])
+    assert result.outcome != Outcome.INFRA_FAILED, (result.error_kind, result.error)
+
+
+async def test_a_policy_starving_the_agents_cpu_during_a_large_output_is_not_infra(test_images_root, calc_task):
+    # As for reads: the answer to a command printing 32 MiB, under 450 spinners, takes longer
+    # than the command's timeout plus the host's 10 s grace.
+    async def episode(lease) -> float:
+        assert (await lease.exec(f"head -c {READ_MAX} /dev/urandom > /tmp/at; for i in $(seq 450);"
+                                 " do sh -c 'while :; do :; done' >/dev/null 2>&1 & done", timeout=120)).ok
+        await lease.exec("cat /tmp/at", timeout=20, max_output=READ_MAX)
+        return 1.0
+
+    async with SandboxPool(LocalBackend(test_images_root), "reuse", PoolLimits(max_live=1)) as pool:
+        result = await run_rollout(pool, calc_task, episode, retries=0)
+    print("RESULT", result.outcome, result.error_kind, result.reward, (result.error or "")[:300])
+    assert result.outcome != Outcome.INFRA_FAILED, (result.error_kind, result.error)
