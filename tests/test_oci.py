@@ -27,6 +27,7 @@ from sandpool.core.reset import record_pristine, reset_in_place
 from sandpool.core.task import Task
 from sandpool.envs.taskpack.oci import SWE_IMAGE
 from tests.conftest import BASE_IMAGE, WH_IMAGE
+from tests.ports import free_port as _free_port
 from tests.waiting import wait_until
 
 
@@ -171,12 +172,6 @@ def test_hydrates_a_docker_save_archive_reusing_stored_layers(oci_images: Path, 
     assert img.name == "sandpool.test/wh:archive" and img.source.startswith("docker-archive:")
     assert [x.diff_id for x in img.layers] == [x.diff_id for x in oci_store.resolve(WH_IMAGE).layers]
     assert oci_store.usage().layers == before
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_hydrates_from_a_registry_pinned_by_digest(oci_images: Path, oci_store: ImageStore,

@@ -90,6 +90,21 @@ def up(args: argparse.Namespace) -> None:
         nodebuild.build_node()
     if (old := load_state()) and old.get("real_nodes"):  # an earlier run that did not get to `down`
         realnode.stop(old, None)
+    for attempt in range(1, _UP_ATTEMPTS + 1):
+        try:
+            _up_once(args, out, t_start)
+            return
+        except SystemExit as e:
+            # Another program can take a drawn port before our server listens on it: new ports.
+            if "address already in use" not in str(e) or attempt == _UP_ATTEMPTS:
+                raise
+            log(f"up: a port was taken before a component listened (try {attempt}); new ports")
+
+
+_UP_ATTEMPTS = 3
+
+
+def _up_once(args: argparse.Namespace, out: Path, t_start: float) -> None:
     t_up = time.monotonic()
     rd = run_dir()
     # A fresh cluster each time: clear what an earlier `up` left (and nothing else).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -29,10 +30,41 @@ def kubeconfig_path() -> Path:
     return Path(os.environ.get("SANDPOOL_CLUSTER_KUBECONFIG") or run_dir() / "kubeconfig")
 
 
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """Return a TCP port on 127.0.0.1 that was free a moment ago, for a server to listen on.
+
+    Drawn at random outside the kernel's ephemeral range (``ip_local_port_range``): a port the
+    kernel handed out (``bind(0)``) is the kind it also gives to outgoing connections, so a
+    client connecting between the draw and the server's ``listen`` can hold it (EADDRINUSE).
+    Never returns a port twice in one process. Raises ``RuntimeError`` when none is free.
+    """
+    lo, hi = _ephemeral_range()
+    spans = [(r0, r1) for r0, r1 in ((10000, lo - 1), (hi + 1, 65535)) if r1 - r0 > 1000]
+    rng = random.SystemRandom()
+    for _ in range(500):
+        r0, r1 = rng.choice(spans)
+        port = rng.randint(r0, r1)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError("no free TCP port on 127.0.0.1 outside the ephemeral range")
 
 
 def load_state() -> dict[str, Any] | None:

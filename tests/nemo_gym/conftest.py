@@ -19,7 +19,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,7 @@ if importlib.util.find_spec("nemo_gym") is None:  # the main venv: nox -s nemo_g
     collect_ignore_glob = ["test_*.py"]
 else:
     from aiohttp import ClientResponse
-
+    from nemo_gym.config_types import BaseServerConfig
     from nemo_gym.server_utils import (
         GlobalAIOHTTPAsyncClientConfig,
         ServerClient,
@@ -41,22 +40,15 @@ else:
         raise_for_status,
         set_global_aiohttp_client,
     )
-    from nemo_gym.config_types import BaseServerConfig
 
 from sandpool.core.task import Task
+from tests.ports import free_port
 
 #: The server instances the test config defines.
 MAIN = "sandpool_swe_resources_server"
 SHORT_IDLE = "sandpool_swe_short_idle"
 SHORT_IDLE_S = 3.0
 _STARTUP_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    """Return a TCP port that was free a moment ago on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -270,9 +262,9 @@ async def serving(pool_block: dict[str, Any], work: Path) -> AsyncIterator[tuple
     ``setup_webserver``, served by uvicorn); yields ``(server, client)``: NeMo Gym's
     ``ServerClient`` reaches it as :data:`MAIN`, and tests reach its pool and sessions."""
     import uvicorn
+    from nemo_gym.global_config import GlobalConfigDictParser, get_first_server_config_dict
     from omegaconf import OmegaConf
 
-    from nemo_gym.global_config import GlobalConfigDictParser, get_first_server_config_dict
     from sandpool.integrations.nemo_gym import CONFIG_PATH
     from sandpool.integrations.nemo_gym.server import SandpoolSweConfig, SandpoolSweResourcesServer
 
