@@ -182,11 +182,12 @@ async def test_a_fix_that_prints_both_streams_at_the_cap_in_grading_is_scored(te
 
 @pytest.mark.parametrize("size", [4096, READ_MAX])
 async def test_a_policy_starving_the_agents_cpu_during_reads_is_not_infra(test_images_root, calc_task, size):
-    # The agent shares the sandbox's CPU quota with the policy's processes: 450 spinners
-    # leave it 1/451 of a core, and four answers of READ_MAX bytes (read, base64, JSON) then
-    # take longer than the host's 60 s wait for a read (4 KiB answers do not).
+    # The agent shares the sandbox's CPU quota with the policy's processes. When they shared
+    # one group, 100 spinners left it 1/101 of a core, and four answers of READ_MAX bytes
+    # (read, base64, JSON) then took longer than the host's 60 s wait for a read (4 KiB
+    # answers did not). The commands' work group now weighs a ninth against the agent.
     async def episode(lease) -> float:
-        assert (await lease.exec(f"head -c {size} /dev/urandom > /tmp/at; for i in $(seq 450);"
+        assert (await lease.exec(f"head -c {size} /dev/urandom > /tmp/at; for i in $(seq 100);"
                                  " do sh -c 'while :; do :; done' >/dev/null 2>&1 & done", timeout=120)).ok
         await asyncio.gather(*(lease.read_file("/tmp/at") for _ in range(4)))
         return 1.0
@@ -214,10 +215,10 @@ async def test_shm_filling_the_commands_memory_before_grading_is_scored_not_infr
 
 
 async def test_a_policy_starving_the_agents_cpu_during_a_large_output_is_not_infra(test_images_root, calc_task):
-    # As for reads: the answer to a command printing 32 MiB, under 450 spinners, takes longer
+    # As for reads: the answer to a command printing 32 MiB, under 100 spinners, took longer
     # than the command's timeout plus the host's 10 s grace.
     async def episode(lease) -> float:
-        assert (await lease.exec(f"head -c {READ_MAX} /dev/urandom > /tmp/at; for i in $(seq 450);"
+        assert (await lease.exec(f"head -c {READ_MAX} /dev/urandom > /tmp/at; for i in $(seq 100);"
                                  " do sh -c 'while :; do :; done' >/dev/null 2>&1 & done", timeout=120)).ok
         await lease.exec("cat /tmp/at", timeout=20, max_output=READ_MAX)
         return 1.0

@@ -119,7 +119,7 @@ def bwrap_argv(limits: ResourceLimits, img: LocalImage, etc: Path, merged: Path,
         for host, dest in service.binds:
             argv += ["--ro-bind", ro(host), dest]
         argv += ["--bind", str(service_dir), SERVICE_DIR]
-    # The agent puts each command into the work cgroup (its pid and memory budget) through
+    # The agent puts each command into the work cgroup (its pid, memory and CPU budget) through
     # descriptors the host opened: no cgroup file is visible inside, so the policy can neither
     # see a limit nor move a process (the agent's included) from one group to another.
     if work_fds:

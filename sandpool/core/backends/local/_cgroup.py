@@ -5,8 +5,12 @@ process it ever forks is counted and can be killed at once. On cgroup v1 the com
 runs go one level down, into ``<sandbox>/work``, which holds the sandbox's pid and memory
 limits; the sandbox's own group allows a little more (:data:`AGENT_PIDS`,
 :data:`AGENT_MEMORY`), so a fork bomb or a memory bomb exhausts the policy's budget and never
-the agent's: the agent still answers, kills the bomb and resets the sandbox. When no cgroup hierarchy is
-writable (an unprivileged user, a locked-down container), :func:`detect` returns ``None`` and
+the agent's: the agent still answers, kills the bomb and resets the sandbox. CPU is split
+the same way: the sandbox's group holds the CPU quota, and ``work`` weighs
+:data:`WORK_CPU_SHARES` against the agent's threads, so however many processes the policy
+keeps busy, the agent runs when it has an answer to give. (On v2 the commands share the
+sandbox's group with the agent.) When no cgroup hierarchy is writable (an unprivileged user,
+a locked-down container), :func:`detect` returns ``None`` and
 the backend refuses to start unless limits were explicitly waived.
 
 Suspending a sandbox freezes its group (:meth:`CgroupDriver.freeze`): the v1 ``freezer``
@@ -46,6 +50,9 @@ FIRST_COMMAND_WEIGHT = 8.0
 #: Pids and bytes the sandbox's agent (and bubblewrap's init) may use beyond the policy's limits.
 AGENT_PIDS = 64
 AGENT_MEMORY = 256 * 2**20
+#: ``cpu.shares`` of the commands' ``work`` group (v1), against 1024 per runnable thread of
+#: the agent: while the agent works it gets about nine tenths of the sandbox's quota.
+WORK_CPU_SHARES = 128
 
 
 @dataclass(frozen=True)
@@ -92,8 +99,9 @@ class CgroupDriver:
             (mem / "memory.limit_in_bytes").write_text(str(limits.memory_bytes + AGENT_MEMORY))
             (cpu / "cpu.cfs_period_us").write_text(str(_CFS_PERIOD_US))
             (cpu / "cpu.cfs_quota_us").write_text(str(quota))
-            (pids / _WORK).mkdir(exist_ok=True)
-            (mem / _WORK).mkdir(exist_ok=True)
+            for d in dirs:
+                (d / _WORK).mkdir(exist_ok=True)
+            (cpu / _WORK / "cpu.shares").write_text(str(WORK_CPU_SHARES))
             (pids / _WORK / "pids.max").write_text(str(limits.pids))
             (mem / _WORK / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
         else:
@@ -166,11 +174,12 @@ class CgroupDriver:
             pass
 
     def work_procs(self, name: str) -> list[str]:
-        """Return the ``cgroup.procs`` files of group ``name``'s ``work`` child, which the
-        sandbox's commands join (v1; empty on v2, where commands stay in the sandbox's group)."""
+        """Return the ``cgroup.procs`` files of group ``name``'s ``work`` children (pids,
+        memory, cpu), which the sandbox's commands join (v1; empty on v2, where commands stay
+        in the sandbox's group)."""
         if self.version != 1:
             return []
-        return [str(d / _WORK / "cgroup.procs") for d in self._dirs(name)[:2]]
+        return [str(d / _WORK / "cgroup.procs") for d in self._dirs(name)]
 
     def pids(self, name: str) -> list[int]:
         """Return the pids currently in group ``name`` and its ``work`` child (empty if gone)."""
