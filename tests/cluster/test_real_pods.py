@@ -86,6 +86,34 @@ async def test_a_fork_bomb_and_a_memory_bomb_leave_the_agent_answering(real_sand
     assert await sb.kill_strays() >= 4
 
 
+_IDLE_PROBE = """import os
+print(os.sched_getscheduler(0) == os.SCHED_IDLE)
+try:
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    print("left SCHED_IDLE")
+except OSError as exc:
+    print("stays", exc.errno)
+"""
+
+
+async def test_a_policy_keeping_the_cpu_busy_cannot_starve_the_agent(real_sandbox):
+    # The agent and the commands share the pod's half core: commands run SCHED_IDLE, which an
+    # unprivileged process cannot leave, so 100 spinners do not keep the agent from answering
+    # (without it, it got a 101st of the quota and four 8 MiB reads outlasted the 60 s wait).
+    sb = real_sandbox
+    spin = await sb.exec("head -c 8M /dev/urandom > /tmp/at; for i in $(seq 100); do"
+                         " sh -c 'while :; do :; done' >/dev/null 2>&1 & done; echo spun", timeout=120)
+    assert spin.text == "spun\n", spin
+    got = await asyncio.gather(*(sb.read_file("/tmp/at") for _ in range(4)))
+    assert {len(g) for g in got} == {8 << 20}
+    out = await sb.exec("cat /tmp/at", timeout=30, max_output=16 << 20)
+    assert len(out.stdout) == 8 << 20 or out.timed_out, out.exit_code
+    assert await answering(sb)
+    assert await sb.kill_strays() >= 100
+    res = await sb.exec(["python3", "-c", _IDLE_PROBE], timeout=30)
+    assert res.text.split("\n")[:2] == ["True", "stays 1"], res
+
+
 async def test_commands_have_no_network(real_sandbox, real_node):
     """A listener on the node, on every address; the pod can reach none of them."""
     sb = real_sandbox

@@ -318,16 +318,45 @@ def _take_work_fds():
     _WORK_FDS = fds
 
 
+def _cpu_confined():
+    """True when the agent shares a CPU quota of its own group with its commands and no work
+    group takes them (a container's ``/sys/fs/cgroup``: v1 ``cpu.cfs_quota_us``, v2 ``cpu.max``).
+    A kwok pod or a local sandbox sees no such quota (the host's root group, or no view)."""
+    for path in ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu.max"):
+        try:
+            with open(path) as f:
+                quota = f.read().split()[0]
+        except (OSError, IndexError):
+            continue
+        return quota not in ("-1", "max")
+    return False
+
+
+def _take_idle():
+    """Whether commands run under ``SCHED_IDLE``: where they share the agent's CPU quota, so
+    that however many processes the policy keeps busy, the agent gets the CPU when it has an
+    answer to give (an unprivileged process cannot leave ``SCHED_IDLE``). Where a work group
+    takes the commands, its ``cpu.shares`` does this instead."""
+    global _IDLE_COMMANDS
+    _IDLE_COMMANDS = (not _WORK_FDS and hasattr(os, "SCHED_IDLE") and _cpu_confined())
+
+
+_IDLE_COMMANDS = False
+
+
 def _popen(argv, **kwargs):
-    """Start ``argv`` as a command, in the work cgroup (the policy's pid and memory budget)
+    """Start ``argv`` as a command, in the work cgroup (the policy's pid, memory and CPU budget)
     before it runs, so everything it forks is counted there and never against the agent's
     own budget: the child waits at a pipe until the agent has written its pid into each
-    work ``cgroup.procs``. ``stdin`` is ``/dev/null``. Raises OSError when it cannot be
-    started or moved (the child is then killed)."""
-    if not _WORK_FDS:
+    work ``cgroup.procs`` (or, with no work group but a CPU quota shared with the agent, has
+    set it ``SCHED_IDLE``, see :func:`_take_idle`). ``stdin`` is ``/dev/null``. Raises OSError
+    when it cannot be started or moved (the child is then killed)."""
+    if not _WORK_FDS and not _IDLE_COMMANDS:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, **kwargs)
     proc = subprocess.Popen(["/bin/sh", "-c", _HELD, "sh", *argv], stdin=subprocess.PIPE, **kwargs)
     try:
+        if _IDLE_COMMANDS:
+            os.sched_setscheduler(proc.pid, os.SCHED_IDLE, os.sched_param(0))
         for fd in _WORK_FDS:
             os.write(fd, b"%d" % proc.pid)
         proc.stdin.write(b"go\n")
@@ -1183,6 +1212,7 @@ def _protect():
 
 def main():
     _take_work_fds()
+    _take_idle()
     try:
         _protect()
     except (ImportError, AttributeError, OSError) as exc:  # fail closed: no unprotected channel
