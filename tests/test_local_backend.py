@@ -226,3 +226,14 @@ async def test_sandbox_killed_mid_rollout_is_infra_failed_and_retried(test_image
     assert exhausted.outcome is Outcome.INFRA_FAILED and exhausted.reward is None
     assert exhausted.error_kind == "sandbox_died"
     assert pool.counters.infra_errors["sandbox_died"] == 2
+
+
+@pytest.mark.parametrize("mode", [1 << 70, -1, 0o10000, "644", True, 0.5])
+async def test_a_write_with_a_mode_that_is_no_permission_is_refused_before_it_is_sent(local_backend, mode):
+    # Sent, such a mode broke the agent's os.open (OverflowError) and came back as an infra
+    # "agent failed" error; it is the caller's bad input, named as such.
+    sb = await local_backend.create(CALC_IMAGE)
+    with pytest.raises(ValueError, match=r"write_file: mode must be a permission int"):
+        await sb.write_file("/tmp/m", b"x", mode=mode)
+    await sb.write_file("/tmp/m", b"x", mode=0o600)
+    assert (await sb.exec("stat -c %a /tmp/m")).text == "600\n"

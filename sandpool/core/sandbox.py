@@ -178,6 +178,7 @@ class Sandbox(abc.ABC):
         Raises:
             SandboxFileError: The path cannot be written (``EROFS``, ``EACCES``, ``EISDIR``,
                 ``ENOTDIR``, ``ENOSPC`` within the sandbox's quota, ...): the policy's result.
+            ValueError: ``mode`` is not a permission int in 0..0o7777 (nothing is sent).
             SandboxDied, ExecTransportError: As for :meth:`exec`.
         """
 

@@ -129,6 +129,9 @@ class AgentSandbox(Sandbox):
 
     async def write_file(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
         """Write ``data`` to ``path``; see :meth:`Sandbox.write_file`."""
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise ValueError(f"write_file: mode must be a permission int in 0..0o7777, e.g. "
+                             f"0o644; got {mode!r}")
         await self._guarded(lambda a: a.write_file(self._abs(path), path, data, mode))
 
     async def processes(self) -> list[str]:
