@@ -78,7 +78,7 @@ def test_build_pack_prints_only_the_path_on_stdout(default_pack_path: Path) -> N
 
 
 @pytest.mark.parametrize(("option", "value", "says"), [
-    ("--policy", "orcale", "policy='orcale' is not known; use oracle, noop or chat"),
+    ("--policy", "orcale", "--policy 'orcale' is not known: use oracle, noop or chat; did you mean 'oracle'?"),
     ("--backend", "kube", "--backend 'kube': use local or kubernetes"),
 ])
 def test_a_bad_option_is_reported_before_the_task_pack_is_built(option: str, value: str, says: str) -> None:

@@ -8,6 +8,7 @@ sandbox errors propagate as :class:`~sandpool.core.errors.InfraError` (``infra_f
 from __future__ import annotations
 
 import abc
+import difflib
 import re
 
 import httpx
@@ -134,4 +135,6 @@ def get_policy(name: str, **chat_options: object) -> Policy:
         if not chat_options.get("base_url") or not chat_options.get("model"):
             raise errors.ConfigError("policy 'chat' needs --chat-url and --model (an OpenAI-compatible endpoint)")
         return ChatPolicy(**chat_options)  # type: ignore[arg-type]
-    raise errors.ConfigError(f"policy={name!r} is not known; use oracle, noop or chat")
+    near = difflib.get_close_matches(name, ["oracle", "noop", "chat"], n=1)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    raise errors.ConfigError(f"--policy {name!r} is not known: use oracle, noop or chat{hint}")
