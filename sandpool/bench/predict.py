@@ -188,13 +188,19 @@ def budget_study(params: SimParams | None = None) -> list[SimResult]:
             for a in (False, True)]
 
 
+#: Each figure as the table shows it, with its unit.
+_LABELS = {"mean": "TTFC mean (s)", "p99": "TTFC p99 (s)", "max": "TTFC max (s)",
+           "pods": "pods created", "writes_per_rollout": "API writes/rollout"}
+
+
 def render(rows: list[dict]) -> str:
     """The comparison table: measured, predicted, error, within 20 % or not."""
-    lines = [f"{'shape':<16}{'figure':<20}{'measured':>14}{'predicted':>12}{'error':>8}"]
+    lines = [f"{'shape':<16}{'figure':<22}{'measured':>14}{'predicted':>12}{'error':>8}"]
     for r in rows:
         lo, hi = r["measured"]
         meas = f"{lo:g}" if lo == hi else f"{lo:g}..{hi:g}"
-        lines.append(f"{r['shape']:<16}{r['figure']:<20}{meas:>14}{r['predicted']:>12.3g}"
+        figure = _LABELS.get(r["figure"], r["figure"])
+        lines.append(f"{r['shape']:<16}{figure:<22}{meas:>14}{r['predicted']:>12.3g}"
                      f"{r['error']:>7.0%}{'' if r['error'] <= 0.2 else '  OVER 20%'}")
     inside = sum(r["error"] <= 0.2 for r in rows)
     lines.append(f"within 20 %: {inside} of {len(rows)} figures")

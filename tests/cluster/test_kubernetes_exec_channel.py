@@ -258,9 +258,14 @@ async def test_a_user_throttled_by_api_priority_and_fairness_gets_429s_retried_a
     try:
         async with SandboxPool(be, "cold", metrics=metrics) as pool:
             http = await be._client()
-            lists = await asyncio.gather(*(http.request("GET", f"/api/v1/namespaces/{namespace}/pods")
-                                           for _ in range(10)))
-            assert all(body["kind"] == "PodList" for body in lists)
+            # APF rejects what overlaps on the level's seat; a loaded machine can serialize a
+            # batch, so batches go on (at most 10) until one is rejected.
+            for _ in range(10):
+                lists = await asyncio.gather(*(http.request("GET", f"/api/v1/namespaces/{namespace}/pods")
+                                               for _ in range(20)))
+                assert all(body["kind"] == "PodList" for body in lists)
+                if _retries(metrics, "429") >= 1:
+                    break
             assert _retries(metrics, "429") >= 1  # APF rejected some, each retried and answered
             result = await run_rollout(pool, make_task(IMAGE, first), episode, retries=1)
             assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result.error
