@@ -56,12 +56,11 @@ def _split_id(rest: str) -> tuple[str, str]:
     bracket, dash = rest.find("["), rest.find(" - ")
     if bracket != -1 and (dash == -1 or bracket < dash):
         # The id ends at the first "]" followed by the end of the line or by " - ".
-        i = rest.find("]", bracket)
-        while i != -1:
-            after = rest[i + 1 :]
-            if not after or after.startswith(" - "):
-                return rest[: i + 1].strip(), after[3:].strip()
-            i = rest.find("]", i + 1)
+        # Two searches, not a loop over every "]": a line of them stays linear.
+        ends = (rest.find("] - ", bracket), len(rest) - 1 if rest.endswith("]") else -1)
+        i = min((e for e in ends if e != -1), default=-1)
+        if i != -1:
+            return rest[: i + 1].strip(), rest[i + 4 :].strip()
     test_id, _, message = rest.partition(" - ")
     return test_id.strip(), message.strip()
 

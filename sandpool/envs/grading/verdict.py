@@ -33,8 +33,14 @@ __all__ = ["MAX_LOG_BYTES", "RUNNERS", "GradeResult", "SignedReport", "cross_che
 MAX_LOG_BYTES = 64 << 20
 
 _PASS = ("PASSED", "XFAIL")
-_SUMMARY = re.compile(r"^=+ (.*\d+ \w+.*) in [\d.]+s(?: \([^)]*\))? =+$")
-_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)")
+# Every pattern run on text the code under test wrote matches in time linear in the line:
+# no two unbounded repeats that can share the same characters, and a number is matched only
+# from its first digit (the log is up to MAX_LOG_BYTES, parsed on the host's event loop).
+_SUMMARY = re.compile(r"^=+ (.*) in [\d.]+s(?: \([^()]*\))? =+$")
+_HAS_COUNT = re.compile(r"\d \w")
+_COUNT = re.compile(r"(?<!\d)(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)")
+_SYMPY_END = re.compile(r"(.*) in [\d.]+ seconds")
+_SYMPY_FAILED = re.compile(r"(?<!\d)\d+ (failed|exceptions?)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -93,7 +99,7 @@ def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
     body, last = lines[:-1], lines[-1] if lines else b""
     try:
         end = json.loads(last)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the decoder's depth
         end = {}
     if not isinstance(end, dict):  # JSON, but no line the plugin writes
         end = {}
@@ -108,7 +114,7 @@ def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
     for raw in body:
         try:
             _read_record(rep, json.loads(raw))
-        except (ValueError, KeyError, TypeError, AttributeError):  # not a line the plugin writes
+        except (ValueError, RecursionError, KeyError, TypeError, AttributeError):  # not the plugin's
             rep.forged = True
             rep.sealed = False
             return rep
@@ -157,7 +163,7 @@ def _nodeid(rec: dict) -> str:
 def _closing_counts(log: str) -> dict[str, int] | None:
     for line in reversed(_ANSI.sub("", log).splitlines()):
         m = _SUMMARY.match(line.strip())
-        if m:
+        if m and _HAS_COUNT.search(m.group(1)):
             return {w.rstrip("s") if w.startswith(("error", "warning")) else w: int(n)
                     for n, w in _COUNT.findall(m.group(1))}
     return None
@@ -219,6 +225,18 @@ def cross_check(rep: SignedReport, *, log: str, log_status: dict[str, str], exit
 RUNNERS = {"django/django": "unittest", "sympy/sympy": "sympy"}
 
 
+def _sympy_closing_lines(text: str) -> list[str]:
+    """What follows ``tests finished:`` up to the last `` in N seconds`` of each line that has
+    both (sympy's closing line), in order: the first mention on a line opens the match."""
+    found = []
+    for line in text.split("\n"):  # as `.` stops: at a newline only
+        at = line.find("tests finished: ")
+        m = _SYMPY_END.match(line, at + len("tests finished: ")) if at != -1 else None
+        if m:
+            found.append(m.group(1))
+    return found
+
+
 def runner_check(log: str, exit_code: int, *, resolved_by_log: bool, runner: str) -> list[str]:
     """Cross-check a non-pytest runner's closing lines with its exit status.
 
@@ -235,11 +253,11 @@ def runner_check(log: str, exit_code: int, *, resolved_by_log: bool, runner: str
     text = _ANSI.sub("", log)
     evidence: list[str] = []
     unittest_ok = re.findall(r"^(OK|FAILED)\b.*$", text, re.M) if runner == "unittest" else []
-    sympy = re.findall(r"tests finished: (.*) in [\d.]+ seconds", text) if runner == "sympy" else []
+    sympy = _sympy_closing_lines(text) if runner == "sympy" else []
     if runner not in ("unittest", "sympy"):
         return evidence
     if sympy:
-        failed = re.search(r"(\d+) (failed|exceptions?)", sympy[-1]) is not None
+        failed = _SYMPY_FAILED.search(sympy[-1]) is not None
         if failed == (exit_code == 0):
             evidence.append(f"bin/test reports '{sympy[-1]}' but exited {exit_code}")
     elif unittest_ok and re.search(r"^Ran \d+ tests? in ", text, re.M):
