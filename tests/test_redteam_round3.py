@@ -100,3 +100,128 @@ def test_each_log_parser_reads_a_mib_line_in_linear_time(line):
     _closing_counts(line)
     runner_check(line, 0, resolved_by_log=True, runner="sympy")
     assert time.monotonic() - t0 < 3.0
+
+
+def _links_in_the_grading_dir(seconds: float, most: int) -> str:
+    # Hard links cost no inode: past the inode count, within the disk quota, for as long as
+    # the test run may take (ext4 allows 65000 links to one file).
+    return f"""\
+import glob, os, time
+_end, _n = time.monotonic() + {seconds}, 0
+for _d in glob.glob('/tmp/.sandpool-grade-*/'):
+    os.mkdir(_d + 'many')
+    while time.monotonic() < _end and _n < {most}:
+        if _n % 60000 == 0:
+            _f = _d + 'many/f%d' % _n
+            open(_f, 'w').close()
+        os.link(_f, _d + 'many/l%d' % _n)
+        _n += 1
+"""
+
+
+async def test_entries_left_in_the_grading_dir_cannot_make_its_cleanup_infra(test_images_root, calc_task,
+                                                                             monkeypatch):
+    # The code under test fills grading's private directory with directory entries, so that
+    # removing it after the run takes longer than grading's wait for it (a minute takes some
+    # 13 million links, made in the test run's own time): the clean-up is no infra failure.
+    from sandpool.envs.grading import diff
+    removed: list[bool] = []
+    remove = diff._remove
+
+    async def recorded(sandbox, d: str) -> bool:
+        removed.append(await remove(sandbox, d))
+        return removed[-1]
+
+    monkeypatch.setattr(diff, "_CLEANUP_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(diff, "_remove", recorded)
+
+    async def episode(lease) -> None:
+        await lease.write_file("calc.py", _buggy_calc_with(_links_in_the_grading_dir(8, 400000)))
+
+    result, _, infra = await _graded(test_images_root, calc_task, episode)
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result
+    assert infra == {}, infra
+    assert removed == [False], "the entries must have outlasted grading's wait for their removal"
+
+
+def _gold_then(task, command: str):
+    async def episode(lease) -> None:
+        await lease.write_file("/tmp/gold.patch", task.patch.encode())
+        res = await lease.exec(f"git apply /tmp/gold.patch && rm /tmp/gold.patch && {{ {command}; }}", timeout=60)
+        assert res.ok, res.text + res.err_text
+    return episode
+
+
+@pytest.mark.parametrize("command", [
+    # git opens an alternate object store's own alternates file: one with no writer blocks it.
+    "rm -f .git/objects/info/alternates && mkfifo .git/objects/info/alternates",
+    # An untracked FIFO, and a tracked file replaced by one.
+    "mkfifo pipe",
+    "mv test_calc.py /tmp/ && mkfifo test_calc.py",
+], ids=["alternates", "untracked", "tracked"])
+async def test_a_fifo_in_the_repo_at_capture_is_the_policys_failure(test_images_root, calc_task, command):
+    result, took, infra = await _graded(test_images_root, calc_task, _gold_then(calc_task, command),
+                                        capture_timeout=5)
+    assert infra == {}, infra
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED), result
+    assert took < 30, f"the rollout took {took:.0f} s"
+
+
+async def test_a_disk_filled_before_capture_is_the_policys_failure(test_images_root, calc_task):
+    from sandpool.core import ResourceLimits
+    episode = _gold_then(calc_task, "head -c 100M /dev/zero > /tmp/fill; df -h /tmp >&2; true")
+    backend = LocalBackend(test_images_root, limits=ResourceLimits(disk_bytes=64 << 20))
+    async with SandboxPool(backend, "reuse", PoolLimits(max_live=2)) as pool:
+        result = await run_rollout(pool, calc_task, episode, grader=DiffGrader(timeout=60), retries=0)
+        print("RESULT", result.outcome, result.error_kind, result.reward, (result.error or "")[:300])
+        assert pool.counters.infra_errors == {}, pool.counters.infra_errors
+    assert (result.outcome, result.reward, result.error_kind) == (Outcome.TASK_FAILED, 0.0, "disk_quota"), result
+
+
+async def test_many_empty_untracked_files_are_refused_as_a_patch_over_the_cap(test_images_root, calc_task):
+    # Empty files weigh nothing against the byte cap on the files; the patch naming them does.
+    episode = _gold_then(calc_task, "mkdir many && cd many && seq 1 40000 | xargs touch")
+    result, took, infra = await _graded(test_images_root, calc_task, episode)
+    assert infra == {}, infra
+    assert (result.outcome, result.reward, result.error_kind) == (Outcome.TASK_FAILED, 0.0, "patch_policy"), result
+    assert "over the cap" in (result.error or "")
+
+
+_HUGE_COUNT = """\
+import atexit, os
+atexit.register(lambda: os.write(1, b'\\n= ' + b'9' * 5000 + b' passed in 1s =\\n'))
+"""
+_INFINITE_EXIT = """\
+import atexit, glob
+def _finish():
+    for report in glob.glob('/tmp/.sandpool-grade-*/report.jsonl'):
+        with open(report, 'ab') as f:
+            f.write(b'{"ev": "finish", "exitstatus": 1e400}\\n')
+atexit.register(_finish)
+"""
+
+
+@pytest.mark.parametrize("code", [_HUGE_COUNT, _INFINITE_EXIT], ids=["log-count", "report-exit-status"])
+async def test_numbers_int_refuses_in_the_log_or_report_are_scored_not_infra(test_images_root, calc_task, code):
+    # A closing line's count of 5000 digits (int() refuses over 4300), and an exit status
+    # the decoder reads as an infinite float (int() overflows).
+    async def episode(lease) -> None:
+        await lease.write_file("calc.py", _buggy_calc_with(code))
+
+    result, _, infra = await _graded(test_images_root, calc_task, episode)
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result
+    assert infra == {}, infra
+
+
+async def test_a_policys_git_printing_a_hunk_count_int_refuses_is_scored_not_infra(
+        test_images_root, oci_store, swe_task):
+    from sandpool.envs.runner import run_batch
+
+    from .test_capture_hostile_git import _FakeGit
+    patch = f"diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1,{'9' * 5000} +1 @@\n-a\n+b\n"
+    report = await run_batch([swe_task], [_FakeGit(patch, "/usr/local/bin/git")],
+                             LocalBackend(test_images_root, store=oci_store),
+                             rollouts_per_task=1, concurrency=1, strategy="reuse", retries=0)
+    (r,) = report.rollouts
+    assert (r.outcome, r.reward, r.error_kind) == (Outcome.TASK_FAILED, 0.0, "patch_policy"), report.render_text()
+    assert "bad hunk header" in (r.error or ""), r

@@ -49,7 +49,8 @@ class FileChange:
 
 _ESCAPES = {"a": "\a", "b": "\b", "t": "\t", "n": "\n", "v": "\v", "f": "\f", "r": "\r",
             '"': '"', "\\": "\\"}
-_HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+# At most 18 digits a number: int() refuses a string of over 4300, and no patch is that long.
+_HUNK = re.compile(r"^@@ -(\d{1,18})(?:,(\d{1,18}))? \+(\d{1,18})(?:,(\d{1,18}))? @@")
 _MODE = re.compile(r"^[0-7]{6}$")
 
 

@@ -36,9 +36,10 @@ _PASS = ("PASSED", "XFAIL")
 # Every pattern run on text the code under test wrote matches in time linear in the line:
 # no two unbounded repeats that can share the same characters, and a number is matched only
 # from its first digit (the log is up to MAX_LOG_BYTES, parsed on the host's event loop).
+# A count is at most 18 digits: int() refuses a string of over 4300.
 _SUMMARY = re.compile(r"^=+ (.*) in [\d.]+s(?: \([^()]*\))? =+$")
 _HAS_COUNT = re.compile(r"\d \w")
-_COUNT = re.compile(r"(?<!\d)(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)")
+_COUNT = re.compile(r"(?<!\d)(\d{1,18}) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)")
 _SYMPY_END = re.compile(r"(.*) in [\d.]+ seconds")
 _SYMPY_FAILED = re.compile(r"(?<!\d)\d+ (failed|exceptions?)")
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -80,6 +81,11 @@ def _merge(old: str | None, new: str) -> str:
     return new if old is None or rank[new] >= rank[old] else old
 
 
+#: What decoding a line the plugin never writes can raise (RecursionError: JSON nested past
+#: the decoder's depth; OverflowError: an infinite float where an int belongs).
+_NOT_THE_PLUGINS = (ValueError, RecursionError, OverflowError, KeyError, TypeError, AttributeError)
+
+
 def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
     """Verify and decode a report written by the verdict plugin.
 
@@ -99,7 +105,7 @@ def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
     body, last = lines[:-1], lines[-1] if lines else b""
     try:
         end = json.loads(last)
-    except (ValueError, RecursionError):  # RecursionError: nested past the decoder's depth
+    except _NOT_THE_PLUGINS:
         end = {}
     if not isinstance(end, dict):  # JSON, but no line the plugin writes
         end = {}
@@ -114,7 +120,7 @@ def read_signed_report(data: bytes | None, key: bytes) -> SignedReport:
     for raw in body:
         try:
             _read_record(rep, json.loads(raw))
-        except (ValueError, RecursionError, KeyError, TypeError, AttributeError):  # not the plugin's
+        except _NOT_THE_PLUGINS:
             rep.forged = True
             rep.sealed = False
             return rep
