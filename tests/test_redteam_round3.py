@@ -52,7 +52,6 @@ async def test_a_report_line_nested_past_the_recursion_limit_is_scored_not_infra
         await lease.write_file("calc.py", _buggy_calc_with(_NEST_THE_REPORT))
 
     result, _, infra = await _graded(test_images_root, calc_task, episode)
-    assert (result.outcome, result.reward) != (Outcome.INFRA_FAILED, None), (result.error_kind, result.error)
     assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result
     assert infra == {}, infra
 
@@ -225,3 +224,34 @@ async def test_a_policys_git_printing_a_hunk_count_int_refuses_is_scored_not_inf
     (r,) = report.rollouts
     assert (r.outcome, r.reward, r.error_kind) == (Outcome.TASK_FAILED, 0.0, "patch_policy"), report.render_text()
     assert "bad hunk header" in (r.error or ""), r
+
+
+_PTH = ("import sys; m = sys.modules.setdefault('calcpkg', type(sys)('calcpkg')); "
+        "m.add = lambda a, b: a + b\n")
+
+
+async def test_a_pth_planted_in_the_images_site_packages_reaches_neither_grading_nor_the_next(
+        test_images_root, oci_store, swe_task):
+    # In an OCI sandbox the policy may write the image's root: a .pth in its site-packages
+    # runs in every Python started there, grading's runner included (it adds the site
+    # directories as site.main() does), and fakes the fixed module.
+    seen: list[str] = []
+
+    async def plant(lease) -> None:
+        site = (await lease.exec("python3 -c 'import sysconfig; print(sysconfig.get_paths()[\"purelib\"])'")).text.strip()
+        await lease.write_file(f"{site}/zz_fake.pth", _PTH.encode())
+        res = await lease.exec("python3 -m pytest -q -p no:cacheprovider tests/test_calc.py", timeout=60)
+        assert res.ok, res.text  # the plant fakes the fix where the policy runs the tests
+        seen.append(site)
+
+    async def look(lease) -> None:
+        seen.append((await lease.exec(f"ls {seen[0]}/zz_fake.pth 2>&1; true")).text)
+
+    backend = LocalBackend(test_images_root, store=oci_store)
+    async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
+        planted = await run_rollout(pool, swe_task, plant, grader=DiffGrader(timeout=60), retries=0)
+        after = await run_rollout(pool, swe_task, look, grader=DiffGrader(timeout=60), retries=0, rollout=1)
+        assert pool.counters.infra_errors == {}, pool.counters.infra_errors
+    assert (planted.outcome, planted.reward) == (Outcome.COMPLETED, 0.0), planted
+    assert after.sandbox_id == planted.sandbox_id and (after.outcome, after.reward) == (Outcome.COMPLETED, 0.0)
+    assert "No such file" in seen[1], seen

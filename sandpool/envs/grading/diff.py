@@ -59,6 +59,8 @@ _SIDE = Path(__file__).with_name("sandbox_side")
 _ENV_VAR = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 _PATCH_FAILED, _TEST_PATCH_FAILED, _NO_PYTHON = 10, 11, 12
 _STARTED = "@@sandpool-runner-started"  # sandbox_side/runner.py's STARTED
+#: Seconds grading waits for its own directory to be removed after the run.
+_CLEANUP_TIMEOUT_S = 10.0
 
 
 def _pytest_argv(command: str) -> tuple[list[str], bool, dict[str, str]] | None:
@@ -238,6 +240,7 @@ async def grade_patch(sandbox, task: Task, patch: bytes | str, *, timeout: float
     if hasattr(target, "kill_strays"):
         await target.kill_strays()  # nothing of the code under test runs while its output is read
     report, oversized = await _read_report(sandbox, d) if plan.pytest else (None, False)
+    await _remove(sandbox, d)
     common = {"harness": plan.harness, "neutralised": reset, "exit_code": res.exit_code,
               "duration_s": res.duration_s}
     if res.stdout_truncated or res.stderr_truncated or oversized:
@@ -252,10 +255,19 @@ async def _read_report(sandbox, d: str) -> tuple[bytes | None, bool]:
     """The report's bytes (None: missing or not a regular file) and whether it is over the cap."""
     r = f"{d}/report.jsonl"
     res = await sandbox.exec(f"if [ -f {r} ] && [ ! -L {r} ]; then head -c {MAX_REPORT_BYTES + 1} {r}; "
-                             f"else echo missing >&2; fi; rm -rf {d}", timeout=60.0, cwd="/",
-                             max_output=MAX_REPORT_BYTES)
+                             f"else echo missing >&2; fi", timeout=60.0, cwd="/", max_output=MAX_REPORT_BYTES)
     if res.timed_out:  # a regular file of at most the cap, read with nothing else running
         raise errors.InfraTimeout(f"reading the verdict report {r} took over 60 s")
     if res.stdout_truncated:
         return None, True
     return (None if "missing" in res.err_text else res.stdout), False
+
+
+async def _remove(sandbox, d: str) -> bool:
+    """Remove grading's directory ``d``, waiting at most :data:`_CLEANUP_TIMEOUT_S`; return
+    whether it went in time. What the code under test put there can take longer to remove
+    (it had the whole test run to make it), and is then left to the sandbox's own reset: a
+    timeout here is no failure of anyone's."""
+    res = await sandbox.exec(f"rm -rf {d} >/dev/null 2>&1", timeout=_CLEANUP_TIMEOUT_S, cwd="/",
+                             max_output=4096)
+    return not res.timed_out
