@@ -237,3 +237,13 @@ async def test_a_write_with_a_mode_that_is_no_permission_is_refused_before_it_is
         await sb.write_file("/tmp/m", b"x", mode=mode)
     await sb.write_file("/tmp/m", b"x", mode=0o600)
     assert (await sb.exec("stat -c %a /tmp/m")).text == "600\n"
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, 0, True, "60"])
+async def test_an_exec_timeout_that_is_no_number_of_seconds_is_refused_before_it_runs(local_backend,
+                                                                                    timeout):
+    # Sent, NaN came back as "no answer to 'exec' within nan s" (infra); the caller's input.
+    sb = await local_backend.create(CALC_IMAGE)
+    with pytest.raises(ValueError, match=r"exec: timeout must be a finite number of seconds > 0"):
+        await sb.exec("touch /tmp/ran", timeout=timeout)
+    assert (await sb.exec("ls /tmp/ran", timeout=30)).exit_code != 0  # nothing ran

@@ -155,6 +155,7 @@ class Sandbox(abc.ABC):
             The :class:`ExecResult`.
 
         Raises:
+            ValueError: ``timeout`` is not a finite number of seconds > 0 (nothing is run).
             SandboxDied: The sandbox is gone.
             ExecTransportError: The command channel failed.
         """

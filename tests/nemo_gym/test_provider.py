@@ -82,6 +82,23 @@ async def test_released_sandbox_is_reset_and_reused(pool_block: dict[str, Any], 
     await provider.aclose()
 
 
+
+async def test_a_tool_timeout_that_is_no_number_of_seconds_runs_the_command(
+        pool_block: dict[str, Any], calc_task: Task) -> None:
+    # A tool call's timeout is the policy's: NaN once reached the agent and came back as no
+    # answer within NaN s (infra, unscored). Now none, 0, NaN, a negative number, inf: each
+    # runs the command, under exec_timeout_s or at most max_exec_timeout_s.
+    provider = create_provider({"sandpool": pool_block | {"linger_s": 0, "exec_timeout_s": 30,
+                                                          "max_exec_timeout_s": 60}})
+    handle = await provider.create(SandboxSpec(metadata={"instance_id": calc_task.instance_id}))
+    for asked in (None, 0, float("nan"), -5.0, float("inf"), float("-inf")):
+        res = await provider.exec(handle, "echo ran", timeout_s=asked)
+        assert (res.stdout, res.return_code, res.error_type) == ("ran\n", 0, None), asked
+    settings = provider.settings
+    assert [settings.tool_timeout(t) for t in (None, float("nan"), -1, 5, float("inf"))] == [30, 30, 30, 5, 60]
+    await provider.close(handle)
+    await provider.aclose()
+
 async def test_killed_sandbox_raises_infra_error_and_reports_error_status(
         pool_block: dict[str, Any], calc_task: Task) -> None:
     provider = create_provider({"sandpool": pool_block | {"linger_s": 0}})

@@ -15,6 +15,7 @@ A backend's sandbox adds only its lifecycle: how its agent is started and reache
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import PurePosixPath
 from typing import TypeVar
@@ -119,6 +120,9 @@ class AgentSandbox(Sandbox):
         max_output: int = 1 << 20,
     ) -> ExecResult:
         """Run ``cmd`` in the sandbox; see :meth:`Sandbox.exec`."""
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"exec: timeout must be a finite number of seconds > 0; got {timeout!r}")
         where = self._abs(cwd or self.workdir)
         return await self._guarded(lambda a: a.exec(cmd, timeout=timeout, cwd=where, env=env or {},
                                                     max_output=max_output))

@@ -18,6 +18,7 @@ without the integration's dependencies.
 from __future__ import annotations
 
 import importlib
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -104,6 +105,15 @@ class PoolSettings(BaseModel):
                 f"({self.max_exec_timeout_s}); lower the first or raise the second"
             )
         return self
+
+    def tool_timeout(self, asked: float | None) -> float:
+        """The seconds a tool command may run when the call asks for ``asked``: ``exec_timeout_s``
+        when it asks for none (``None``, 0), NaN or a negative number, else ``asked``, never
+        over ``max_exec_timeout_s`` (``inf`` gets that). A tool call's numbers are the
+        policy's, and no value of them may turn its command into an infra failure."""
+        if asked is None or math.isnan(asked) or asked <= 0:
+            return self.exec_timeout_s
+        return min(float(asked), self.max_exec_timeout_s)
 
     def limits(self) -> PoolLimits:
         """Return the :class:`PoolLimits` these settings describe."""

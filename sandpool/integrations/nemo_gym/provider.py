@@ -187,7 +187,9 @@ class SandpoolProvider:
             command: The shell command.
             cwd: Working directory (default: the task repo).
             env: Extra environment variables.
-            timeout_s: Seconds before the process group is killed (default ``exec_timeout_s``).
+            timeout_s: Seconds before the process group is killed (see
+                :meth:`PoolSettings.tool_timeout`: ``exec_timeout_s`` when unset, at most
+                ``max_exec_timeout_s``).
             user: Only the sandbox's own user (``None``, ``1000`` or ``"sandbox"``) is supported.
 
         Raises:
@@ -197,7 +199,7 @@ class SandpoolProvider:
         if user not in _SANDBOX_USERS:
             raise ValueError(f"sandpool sandboxes run commands as uid 1000 only, not {user!r}")
         lease = self._lease(handle)
-        res = await lease.exec(command, timeout=float(timeout_s or self.settings.exec_timeout_s),
+        res = await lease.exec(command, timeout=self.settings.tool_timeout(timeout_s),
                                cwd=cwd, env=env, max_output=self.settings.max_output_bytes)
         return SandboxExecResult(stdout=res.text, stderr=res.err_text, return_code=res.exit_code,
                                  error_type="timeout" if res.timed_out else None)

@@ -303,7 +303,7 @@ class SandpoolSweResourcesServer(SimpleResourcesServer):
         ends the rollout (``503``).
         """
         settings = self.config.sandpool
-        timeout = min(body.timeout_s or settings.exec_timeout_s, settings.max_exec_timeout_s)
+        timeout = settings.tool_timeout(body.timeout_s)
         sid = request.session[SESSION_ID_KEY]
         try:
             async with self.sessions.use(sid) as session:
