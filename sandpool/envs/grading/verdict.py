@@ -22,6 +22,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from sandpool.core import errors
 from sandpool.core.base import ExecResult
 from sandpool.core.task import Task
 from sandpool.envs.grading.harness import TestPlan
@@ -364,13 +365,25 @@ def score_run(task: Task, plan: TestPlan, res: ExecResult, log: str, report: byt
     Returns:
         The :class:`GradeResult`: resolved only when the harness's rule holds on the log and on
         the signed report, at least one of the tests that decide the task ran, and no
-        evidence of tampering was found. A log the harness's parser raises on has ``error``
-        set (scored 0): the code under test wrote it, and a gold run's log that it raises on
-        is a broken task that validation reports.
+        evidence of tampering was found. A log, report or exit status that a parse here
+        raises on has ``error`` set (scored 0), whatever it raised: the code under test wrote
+        them, and a gold run's that it raises on is a broken task that validation reports.
     """
-    f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
     common = {"harness": plan.harness, "neutralised": neutral, "exit_code": res.exit_code,
               "duration_s": res.duration_s, "log": log}
+    try:
+        return _score(task, plan, res, log, report, key, common, suspicious)
+    except errors.SandpoolError:  # the task's own fault (BrokenTaskError) is no score
+        raise
+    except Exception as exc:  # noqa: BLE001 - every other input is what the code under test wrote
+        return unresolved(task, **common, error=(
+            f"sandpool cannot read what the code under test wrote ({type(exc).__name__}: "
+            f"{str(exc)[:300]})"))
+
+
+def _score(task: Task, plan: TestPlan, res: ExecResult, log: str, report: bytes | None, key: bytes,
+           common: dict, suspicious: list[str]) -> GradeResult:
+    f2p, p2p = tuple(task.FAIL_TO_PASS), tuple(task.PASS_TO_PASS)
     if res.timed_out:
         return unresolved(task, timed_out=True, **common)
     try:
