@@ -255,3 +255,31 @@ async def test_a_pth_planted_in_the_images_site_packages_reaches_neither_grading
     assert (planted.outcome, planted.reward) == (Outcome.COMPLETED, 0.0), planted
     assert after.sandbox_id == planted.sandbox_id and (after.outcome, after.reward) == (Outcome.COMPLETED, 0.0)
     assert "No such file" in seen[1], seen
+
+
+_SPECIAL = ("mkfifo /tmp/fifo && mknod /tmp/whiteout c 0 0 && python3 -c \"import socket; "
+            "socket.socket(socket.AF_UNIX).bind('/tmp/sock')\" && mkfifo repo_fifo && ls -l /tmp")
+
+
+async def test_special_files_in_every_checkpoint_are_no_infra_failure(test_images_root, calc_task):
+    # A FIFO, a socket and a 0:0 character device (an overlay whiteout, which a sandbox may
+    # make in its /tmp) in the state each step's checkpoint takes, then a fork of it.
+    async def episode(lease) -> None:
+        res = await lease.exec(_SPECIAL)
+        assert res.ok, res.text + res.err_text
+        await lease.write_file("/tmp/gold.patch", calc_task.patch.encode())
+        assert (await lease.exec("git apply /tmp/gold.patch")).ok
+        (child,) = await lease.fork(1)
+        try:
+            seen = await child.exec("ls -l /tmp; ls repo_fifo; git diff --stat")
+            assert seen.ok and "calc.py" in seen.text and "whiteout" in seen.text, seen.text + seen.err_text
+        finally:
+            await child.release()
+
+    async with SandboxPool(LocalBackend(test_images_root), "reuse", PoolLimits(max_live=3)) as pool:
+        result = await run_rollout(pool, calc_task, episode, grader=DiffGrader(timeout=60), retries=0,
+                                   checkpoint="step")
+        print("RESULT", result.outcome, result.error_kind, result.reward, (result.error or "")[:300])
+        assert pool.counters.infra_errors == {}, pool.counters.infra_errors
+        assert pool.counters.quarantines == 0, pool.counters.quarantine_reasons
+    assert (result.outcome, result.reward, result.recoveries) == (Outcome.COMPLETED, 1.0, 0), result
