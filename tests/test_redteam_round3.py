@@ -283,3 +283,43 @@ async def test_special_files_in_every_checkpoint_are_no_infra_failure(test_image
         assert pool.counters.infra_errors == {}, pool.counters.infra_errors
         assert pool.counters.quarantines == 0, pool.counters.quarantine_reasons
     assert (result.outcome, result.reward, result.recoveries) == (Outcome.COMPLETED, 1.0, 0), result
+
+
+_SHADOW = """\
+# A package beside test_calc.py, of the same name: Python's path finder takes a package
+# before a module, and __file__ names the module pytest asked for.
+__file__ = __file__[:-len('/test_calc/__init__.py')] + '/test_calc.py'
+
+
+def test_add():
+    pass
+
+
+def test_zero():
+    pass
+"""
+
+
+async def test_a_package_shadowing_the_test_module_scores_0(test_images_root, calc_task):
+    async def episode(lease) -> None:
+        assert (await lease.exec("mkdir test_calc")).ok
+        await lease.write_file("test_calc/__init__.py", _SHADOW.encode())
+        res = await lease.exec("python -m pytest -q -p no:cacheprovider test_calc.py", timeout=60)
+        print("POLICY'S OWN RUN", res.text[-300:])
+
+    result, _, infra = await _graded(test_images_root, calc_task, episode)
+    assert infra == {}, infra
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result
+
+
+
+@pytest.mark.parametrize(("path", "refused"), [
+    ("test_calc/__init__.py", True), ("test_calc/x.txt", True), ("test_calc.abi3.so", True),
+    ("test_calcx/__init__.py", False), ("calc/__init__.py", False), ("test_calc.txt", False)])
+def test_the_patch_policy_refuses_a_package_or_extension_shadowing_a_test_module(calc_task, path, refused):
+    from sandpool.envs.grading.policy import check_patch
+    patch = f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n@@ -0,0 +1 @@\n+x\n"
+    verdict = check_patch(patch, calc_task)
+    assert bool(verdict.refused) == refused, verdict
+    if refused:
+        assert "shadows the test module test_calc.py" in verdict.refused[0]

@@ -30,6 +30,10 @@ The tests, which are:
   ``entry_points.txt`` or ``*.egg-link`` anywhere (pytest loads ``pytest11`` entry points);
 * bytecode: ``*.pyc``, ``*.pyo``, anything under ``__pycache__``;
 * git's own files in the tree: ``.gitattributes``, ``.gitmodules``;
+* a package or extension module of a test module's name beside it (anything under
+  ``pkg/test_a/``, or ``pkg/test_a*.so``, next to ``pkg/test_a.py``) that is not itself
+  reset as a test: Python's path finder takes a package, or an extension module, before
+  the source file of the same name, so pytest would run its tests instead;
 * symlinks and submodules (modes ``120000``, ``160000``), a new file that is not mode
   ``100644``, any mode change, and binary changes;
 * paths outside the repo: absolute, with a ``..``, ``.`` or empty component, or through a
@@ -149,6 +153,17 @@ def _outside(path: str) -> bool:
             or any(p in ("", ".", "..") or p.lower() == ".git" for p in parts))
 
 
+def _shadowed(path: str, modules: frozenset[str]) -> str | None:
+    """The test module (a ``.py`` path in ``modules``) that ``path`` shadows, if any: a path
+    under a directory of the module's name (a package), or an extension module of its name."""
+    parts = path.split("/")
+    for i in range(1, len(parts)):
+        if "/".join(parts[:i]) + ".py" in modules:
+            return "/".join(parts[:i]) + ".py"
+    test = posixpath.join(posixpath.dirname(path), parts[-1].split(".", 1)[0]) + ".py"
+    return test if test in modules and path.endswith(".so") else None  # an extension module
+
+
 def _refusal(change: FileChange) -> str | None:
     """Why the policy refuses ``change`` (None: it does not)."""
     for path in change.paths:
@@ -209,11 +224,16 @@ def check_patch(patch: bytes | str, task: Task, *, max_bytes: int = MAX_PATCH_BY
     keep: list[FileChange] = []
     reset: list[str] = []
     refused: list[str] = []
+    modules = frozenset(t for t in tests if t.endswith(".py"))
     for change in changes:
         why = _refusal(change)
+        is_test = any(_is_test(p, tests) for p in change.paths)
+        shadowed = None if is_test else next(filter(None, (_shadowed(p, modules) for p in change.paths)), None)
+        if why is None and shadowed is not None:
+            why = f"{change.paths[-1]} shadows the test module {shadowed}"
         if why is not None:
             refused.append(why)
-        elif any(_is_test(p, tests) for p in change.paths):
+        elif is_test:
             reset.extend(change.paths)
         else:
             keep.append(change)
