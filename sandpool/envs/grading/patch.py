@@ -140,9 +140,19 @@ def parse_patch(patch: str) -> list[FileChange]:
 
     Raises:
         PatchError: A line outside any ``diff --git`` block, a header or hunk line that
-            does not parse, a hunk whose line counts do not match its header, or a block
-            whose paths cannot be told apart.
+            does not parse, a hunk whose line counts do not match its header, a block whose
+            paths cannot be told apart, or anything else this parse fails on: the policy's
+            git wrote the patch, so no text of it is an error of sandpool's.
     """
+    try:
+        return _parse_patch(patch)
+    except PatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - text the policy's git (or the policy) wrote
+        raise PatchError(f"cannot parse it ({type(exc).__name__}: {str(exc)[:200]})") from None
+
+
+def _parse_patch(patch: str) -> list[FileChange]:
     lines = patch.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
