@@ -323,3 +323,38 @@ def test_the_patch_policy_refuses_a_package_or_extension_shadowing_a_test_module
     assert bool(verdict.refused) == refused, verdict
     if refused:
         assert "shadows the test module test_calc.py" in verdict.refused[0]
+
+
+_SWAP_BY_TRACE = """\
+import sys
+_f = sys._getframe(1)
+while _f is not None and "test_" not in _f.f_globals.get("__name__", ""):
+    _f = _f.f_back
+
+
+def _passes():
+    pass
+
+
+def _swap(frame, event, arg):
+    # Once the importing test module defines its tests, they are replaced by a passing one.
+    for name in ("test_add", "test_zero"):
+        if name in frame.f_globals:
+            frame.f_globals[name] = _passes
+    return _swap
+
+
+_f.f_trace = _swap
+sys.settrace(lambda *a: None)
+"""
+
+
+async def test_tests_swapped_before_collection_by_the_code_under_test_score_0(test_images_root, calc_task):
+    async def episode(lease) -> None:
+        await lease.write_file("calc.py", _buggy_calc_with(_SWAP_BY_TRACE))
+        res = await lease.exec("python -m pytest -q -p no:cacheprovider test_calc.py", timeout=60)
+        print("POLICY'S OWN RUN", res.text[-300:])
+
+    result, _, infra = await _graded(test_images_root, calc_task, episode)
+    assert infra == {}, infra
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result

@@ -18,9 +18,11 @@ into the report at the end of the session: pytest's and pluggy's test-running, r
 assertion-rewriting machinery unchanged (every function, class and descriptor of their
 modules, and the hook callers and their dispatch); no hook implementation added after
 collection began on the hooks that collect, run and report a test, except by a conftest.py;
-each test's item, class and function still the ones collected; an expected failure (XFAIL)
-raised only by the test itself. Then the grader cross-checks the report with the log and the
-exit status.
+each test's item, class and function still the ones collected; on Python >= 3.12, each
+passed test's own def in the checked test file returned during its call (``sys.monitoring``:
+a name rebound before collection, or a wrapper that swallows the test's failure, is found);
+an expected failure (XFAIL) raised only by the test itself. Then the grader cross-checks the
+report with the log and the exit status.
 
 Nothing of that is reachable by a name the code under test can look up: the plugin's state
 lives in :func:`make`'s closure (no module attribute, and this module is not in
@@ -134,6 +136,35 @@ def make(key, report_path, trusted_code=None):
     items = {}  # node id -> (the test's function, its code, the item's class) when collected
     swapped = []  # what was replaced under pytest during the run, one sentence each
     xfail_by = {}  # node id -> where code that is not the test's raised its imperative xfail
+    # A test's own def in the checked test file is watched as it runs (sys.monitoring, Python
+    # >= 3.12): a test that passed while that code never returned did not run as written (its
+    # name was bound to other code before collection, or a wrapper swallowed its failure).
+    monitor = _monitor() if trusted_code is not None else None
+    realpath = os.path.realpath
+    own = {}  # node id -> ids of the trusted code objects of the test's def
+    running = {"ids": None, "returned": 0}
+
+    def returned(code, offset, value):
+        if running["ids"] is not None and b_id(code) in running["ids"]:
+            running["returned"] += 1
+
+    def watch_own(collected):
+        set_local_events, register_callback, py_return = monitor
+        index = {}
+        for code in b_list(trusted_code.values()):
+            index.setdefault((realpath(code.co_filename), code.co_qualname), []).append(code)
+        for item in collected:
+            parts = item.nodeid.split("::")
+            if b_len(parts) < 2:
+                continue
+            qualname = ".".join(parts[1:-1] + [parts[-1].split("[", 1)[0]])
+            path = b_getattr(item, "path", None) or b_getattr(item, "fspath", None)
+            codes = index.get((realpath(b_str(path)), qualname)) if path is not None else None
+            if codes:
+                own[item.nodeid] = b_set([b_id(c) for c in codes])
+                for c in codes:
+                    set_local_events(c, py_return)
+        register_callback(py_return, returned)
 
     def encode(value):
         if value is None or b_isinstance(value, b_bool):
@@ -253,6 +284,7 @@ def make(key, report_path, trusted_code=None):
 
     def pytest_runtest_call(item):
         # Registered after pytest's own runner plugin, so this runs before it calls the test.
+        running["ids"], running["returned"] = own.get(item.nodeid), 0
         known = items.get(item.nodeid)
         if known is None:
             return
@@ -262,6 +294,8 @@ def make(key, report_path, trusted_code=None):
             tampered("test %s replaced after collection" % item.nodeid)
 
     def pytest_collection_finish(session):
+        if ours(session.config) and monitor is not None:
+            watch_own(session.items)
         if ours(session.config):
             emit({"ev": "collected", "n": b_len(session.items),
                   "ids": [shown(item.nodeid) for item in session.items]})
@@ -271,6 +305,11 @@ def make(key, report_path, trusted_code=None):
         # outcome is an expected failure, by its xfail mark or by calling pytest.xfail() itself.
         # Code under test that raises xfail's exception turns any failure into such a "pass".
         excinfo = call.excinfo
+        if call.when == "call" and running["ids"] is not None:
+            if excinfo is None and not running["returned"]:
+                tampered("test %s passed, but its def in the checked test file never returned"
+                         % item.nodeid)
+            running["ids"] = None
         if run["config"] is None or excinfo is None or XFailed is None:
             return None
         if not b_isinstance(excinfo.value, XFailed):
@@ -324,6 +363,24 @@ def make(key, report_path, trusted_code=None):
                  pytest_runtest_logreport, pytest_sessionfinish):
         setattr(plugin, hook.__name__, hook)
     return plugin, snapshot, tampered
+
+
+def _monitor():
+    """The calls that watch the tests' own code, bound to a tool id of ours:
+    ``(set_local_events(code, events), register_callback(event, fn), PY_RETURN)``, or None
+    before Python 3.12 or when both free tool ids are taken."""
+    mon = getattr(sys, "monitoring", None)
+    if mon is None:
+        return None
+    for tool in (3, 4):  # the ids Python leaves unassigned (0-2 and 5 are named)
+        try:
+            mon.use_tool_id(tool, "sandpool-verdict")
+        except ValueError:
+            continue
+        set_local, register = mon.set_local_events, mon.register_callback
+        return (lambda code, events: set_local(tool, code, events),
+                lambda event, fn: register(tool, event, fn), mon.events.PY_RETURN)
+    return None
 
 
 def _from_environment():
