@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from sandpool.core.backends.local import SERVICE_DIR, LocalBackend, ServiceSpec
 from sandpool.core.reset import reset_in_place
 
 from .conftest import CALC_IMAGE
+from .waiting import DEADLINE_S
 
 # The service marks itself ready by writing a file in its own directory, then waits forever.
 _SERVICE = ("/bin/sh", "-c", "echo $SANDPOOL_SVC_GREETING > ready; echo $SVC_KEY > key; exec sleep 100000")
@@ -38,7 +41,11 @@ async def test_reset_and_kill_strays_spare_the_service(service_backend, calc_com
     sb = await service_backend.create(CALC_IMAGE)
     pid = (await sb.exec("pgrep -f 'sleep 100000'")).text.strip()
     await sb.exec("sleep 300 &", timeout=5)  # the policy's stray
-    assert await sb.processes() == ["sleep 300"]
+    # Its shell forks it and exits: until the child has exec'd, ps shows it as the shell.
+    deadline = time.monotonic() + DEADLINE_S
+    while (procs := await sb.processes()) != ["sleep 300"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert procs == ["sleep 300"]
     outcome = await reset_in_place(sb, calc_commits["buggy"])
     assert outcome.ok, outcome.problems
     assert outcome.killed >= 1
