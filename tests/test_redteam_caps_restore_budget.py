@@ -4,7 +4,9 @@
    no state of the policy that held the sandbox before (a fix, an ignored file, ``.git``
    plants, ``/tmp``, ``/dev/shm``) shows in the restored claim, and the hash check holds.
 2. The agent's read cap and output cap: many concurrent reads at the cap, and both streams
-   at the output cap, under a small memory budget, are the policy's result, never infra.
+   at the output cap, under a small memory budget, are the policy's result, never infra;
+   so are such answers while the policy keeps the sandbox's CPU busy (the agent outweighs
+   the commands' work group).
 3. Budget counts baselined at each ``kill_strays``: a policy's fork racer left at the end
    of its rollout cannot make the next, honest, rollout's infra death its 0.
 """
@@ -12,17 +14,16 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 from pathlib import Path
 
 import pytest
 
 from sandpool.core import Outcome, PoolLimits, ResourceLimits, SandboxPool, run_rollout
 from sandpool.core.agent.client import READ_MAX
-from sandpool.core.backends.local import LocalBackend, LocalSandbox
+from sandpool.core.backends.local import LocalBackend
 from sandpool.envs.grading import grade
 
+from .test_death_by_evidence import _kill_agent
 from .waiting import until
 
 _PLANT = ("git apply /tmp/gold.patch && echo leaked > ignored.txt && echo ignored.txt >> .git/info/exclude"
@@ -70,38 +71,29 @@ async def test_a_snapshot_of_only_tmp_restores_it_onto_a_reset_sandbox(test_imag
             assert (await lease.exec(_LOOK)).text == want
 
 
-async def test_concurrent_reads_at_the_cap_under_a_small_budget_are_never_infra(test_images_root, calc_task):
-    async def episode(lease) -> float:
-        assert (await lease.exec(f"head -c {READ_MAX} /dev/urandom > /tmp/at")).ok
-        await asyncio.gather(*(lease.read_file("/tmp/at") for _ in range(16)))
-        return 1.0
+async def _reads_at_the_cap(lease) -> float:
+    assert (await lease.exec(f"head -c {READ_MAX} /dev/urandom > /tmp/at")).ok
+    await asyncio.gather(*(lease.read_file("/tmp/at") for _ in range(16)))
+    return 1.0
 
+
+async def _both_streams_at_the_cap(lease) -> float:
+    res = await lease.exec("head -c 200M /dev/urandom; head -c 200M /dev/urandom >&2",
+                           max_output=1 << 30, timeout=300)
+    return 1.0 if res.ok else 0.0
+
+
+@pytest.mark.parametrize("episode", [_reads_at_the_cap, _both_streams_at_the_cap])
+async def test_answers_at_the_caps_under_a_small_budget_are_never_infra(test_images_root, calc_task,
+                                                                        episode):
+    # Sixteen concurrent reads of READ_MAX bytes, or both streams of one command at the
+    # output cap, under a 128 MiB budget: the policy's result, never an infra failure.
     backend = LocalBackend(test_images_root, limits=ResourceLimits(memory_bytes=128 << 20))
     async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
         result = await run_rollout(pool, calc_task, episode, checkpoint="step")
     print("RESULT", result.outcome, result.error_kind, result.reward, (result.error or "")[:300])
     assert result.outcome != Outcome.INFRA_FAILED, (result.error_kind, result.error)
     assert pool.counters.infra_errors == {}, pool.counters.infra_errors
-
-
-async def test_both_streams_at_the_output_cap_under_a_small_budget_are_never_infra(test_images_root, calc_task):
-    async def episode(lease) -> float:
-        res = await lease.exec("head -c 200M /dev/urandom; head -c 200M /dev/urandom >&2",
-                               max_output=1 << 30, timeout=300)
-        return 1.0 if res.ok else 0.0
-
-    backend = LocalBackend(test_images_root, limits=ResourceLimits(memory_bytes=128 << 20))
-    async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
-        result = await run_rollout(pool, calc_task, episode, checkpoint="step")
-    print("RESULT", result.outcome, result.error_kind, result.reward, (result.error or "")[:300])
-    assert result.outcome != Outcome.INFRA_FAILED, (result.error_kind, result.error)
-    assert pool.counters.infra_errors == {}, pool.counters.infra_errors
-
-
-def _kill_agent(sb: LocalSandbox) -> None:
-    children = Path(f"/proc/{sb.pid}/task/{sb.pid}/children").read_text().split()
-    assert len(children) == 1, children
-    os.kill(int(children[0]), signal.SIGKILL)
 
 
 async def test_a_fork_racer_left_by_a_starving_policy_is_no_evidence_against_the_next(test_images_root,
@@ -148,6 +140,7 @@ async def test_a_fork_racer_left_by_a_starving_policy_is_no_evidence_against_the
 
 async def test_a_read_of_a_file_growing_past_the_cap_is_its_data_or_efbig(local_backend):
     from sandpool.core import errors
+
     from .conftest import CALC_IMAGE
     sb = await local_backend.create(CALC_IMAGE)
     assert (await sb.exec(f"head -c {READ_MAX - 4096} /dev/zero > /tmp/grow")).ok
