@@ -142,7 +142,7 @@ def make(key, report_path, trusted_code=None):
     monitor = _monitor() if trusted_code is not None else None
     realpath = os.path.realpath
     own = {}  # node id -> ids of the trusted code objects of the test's def
-    running = {"ids": None, "returned": 0}
+    running = {"ids": None, "returned": 0, "passed": False}
 
     def returned(code, offset, value):
         if running["ids"] is not None and b_id(code) in running["ids"]:
@@ -284,7 +284,7 @@ def make(key, report_path, trusted_code=None):
 
     def pytest_runtest_call(item):
         # Registered after pytest's own runner plugin, so this runs before it calls the test.
-        running["ids"], running["returned"] = own.get(item.nodeid), 0
+        running["ids"], running["returned"], running["passed"] = own.get(item.nodeid), 0, False
         known = items.get(item.nodeid)
         if known is None:
             return
@@ -304,9 +304,13 @@ def make(key, report_path, trusted_code=None):
         # An XFAIL counts as a pass (as SWE-bench counts it): only the test may decide that its
         # outcome is an expected failure, by its xfail mark or by calling pytest.xfail() itself.
         # Code under test that raises xfail's exception turns any failure into such a "pass".
+        # The last call-phase report decides whether the test passed: a subtest (pytest >= 9,
+        # unittest's subTest) makes one of its own while the test's def is still running.
         excinfo = call.excinfo
-        if call.when == "call" and running["ids"] is not None:
-            if excinfo is None and not running["returned"]:
+        if call.when == "call":
+            running["passed"] = excinfo is None
+        elif call.when == "teardown" and running["ids"] is not None:
+            if running["passed"] and not running["returned"]:
                 tampered("test %s passed, but its def in the checked test file never returned"
                          % item.nodeid)
             running["ids"] = None
@@ -329,7 +333,8 @@ def make(key, report_path, trusted_code=None):
             return
         record = {"ev": "test", "nodeid": shown(report.nodeid), "when": report.when,
                   "outcome": report.outcome, "xfail": b_hasattr(report, "wasxfail"),
-                  "longrepr": report.longrepr is not None}
+                  "longrepr": report.longrepr is not None,
+                  "sub": b_hasattr(report, "context") and report.when == "call"}
         if record["xfail"] and report.nodeid in xfail_by:
             record["xfail_by"] = xfail_by[report.nodeid]
         emit(record)

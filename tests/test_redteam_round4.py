@@ -1,0 +1,260 @@
+"""Red-team of the verdict plugin's check that a passed test's own def returned (Python >= 3.12).
+
+Through :class:`DiffGrader` and ``run_rollout`` on the local backend (calc image: Python 3.12,
+pytest 9), on variants of the calc task whose test patch adds tests:
+
+* no false positive: tests of many honest styles (unittest methods, subTest and pytest's
+  ``subtests``, mock decorators, decorators with and without ``functools.wraps``, parametrize
+  ids holding ``::`` and ``[``, nested and inherited classes, a name defined twice, yield
+  fixtures and a conftest's, xfail, static and class methods, a test package in a
+  subdirectory, ``pytest_generate_tests``, threads, skips and expected failures) score 1 with
+  the gold patch and 0 without it, no test reported as tampered with.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sandpool.core import Outcome
+
+from .test_redteam_round3 import _graded
+
+
+def _new_files(files: dict[str, str]) -> str:
+    """A unified diff creating ``files`` (path -> text ending in a newline)."""
+    out = []
+    for path, text in files.items():
+        lines = text.splitlines()
+        out.append(f"diff --git a/{path} b/{path}\nnew file mode 100644\n--- /dev/null\n+++ b/{path}\n"
+                   f"@@ -0,0 +1,{len(lines)} @@\n" + "".join(f"+{line}\n" for line in lines))
+    return "".join(out)
+
+
+_STYLES = '''\
+import functools
+import threading
+import unittest
+from unittest import mock
+
+import pytest
+
+import calc
+from calc import add
+
+
+class TestUnit(unittest.TestCase):
+    def test_unit(self):
+        self.assertEqual(add(2, 3), 5)
+
+    @mock.patch("calc.add", wraps=calc.add)
+    def test_mock_patch(self, spy):
+        self.assertEqual(calc.add(2, 3), 5)
+        spy.assert_called_once_with(2, 3)
+
+    def test_skipped_inside(self):
+        self.skipTest("skipped by the test")
+
+    @unittest.expectedFailure
+    def test_expected_failure(self):
+        self.assertEqual(add(2, 2), 5)
+
+    def test_subtests(self):
+        for a in (1, 2):
+            with self.subTest(a=a):
+                self.assertEqual(add(a, a), 2 * a)
+
+
+@mock.patch.object(calc, "add", wraps=calc.add)
+def test_patch_object(spy):
+    assert calc.add(2, 3) == 5
+    assert spy.called
+
+
+def wrapped(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+def plain(fn):
+    def runner():
+        fn()
+    return runner
+
+
+@wrapped
+def test_wraps():
+    assert add(2, 3) == 5
+
+
+@plain
+def test_plain_decorator():
+    assert add(2, 3) == 5
+
+
+@pytest.mark.parametrize(("a", "b", "want"), [(2, 3, 5), (1, 1, 2)], ids=["two::three", "one[1]"])
+def test_param(a, b, want):
+    assert add(a, b) == want
+
+
+class TestClass:
+    def test_method(self):
+        assert add(2, 3) == 5
+
+    class TestNested:
+        def test_nested(self):
+            assert add(2, 3) == 5
+
+    @staticmethod
+    def test_static():
+        assert add(2, 3) == 5
+
+    @classmethod
+    def test_classmethod(cls):
+        assert add(2, 3) == 5
+
+
+class Base:
+    def test_inherited(self):
+        assert add(2, 3) == 5
+
+
+class TestDerived(Base):
+    pass
+
+
+def test_twice():
+    assert False, "the first definition is never collected"
+
+
+def test_twice():
+    assert add(2, 3) == 5
+
+
+@pytest.fixture
+def pair():
+    yield 2, 3
+
+
+def test_fixture(pair, tmp_path):
+    assert add(*pair) == 5
+
+
+@pytest.mark.xfail(strict=False, reason="passes")
+def test_xpass():
+    assert add(0, 0) == 0
+
+
+@pytest.mark.xfail(strict=False, reason="fails")
+def test_xfail():
+    assert add(2, 2) == 5
+
+
+def test_thread():
+    out = []
+
+    def work():
+        out.append(add(2, 3))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert out == [5]
+
+
+def test_subtests_fixture(subtests):
+    for a in (1, 2):
+        with subtests.test(a=a):
+            assert add(a, a) == 2 * a
+
+
+def test_skip_inside():
+    pytest.skip("skipped by the test")
+
+
+def test_from_conftest(conftest_value):
+    assert add(*conftest_value) == 5
+'''
+
+_SUB = '''\
+from calc import add
+
+
+def test_in_package():
+    assert add(2, 3) == 5
+
+
+class TestInPackage:
+    def test_method(self):
+        assert add(2, 3) == 5
+'''
+
+_CONFTEST = '''\
+import pytest
+
+
+@pytest.fixture
+def conftest_value():
+    yield 2, 3
+
+
+def pytest_generate_tests(metafunc):
+    if "generated" in metafunc.fixturenames:
+        metafunc.parametrize("generated", [(2, 3)], ids=["gen"])
+'''
+
+_GENERATED = '''\
+from calc import add
+
+
+def test_generated(generated):
+    assert add(*generated) == 5
+'''
+
+_F2P = tuple(f"test_styles.py::{t}" for t in (
+    "TestUnit::test_unit", "TestUnit::test_mock_patch", "TestUnit::test_subtests", "test_subtests_fixture",
+    "test_patch_object",
+    "test_wraps", "test_plain_decorator", "test_param[two::three]", "test_param[one[1]]",
+    "TestClass::test_method", "TestClass::TestNested::test_nested", "TestClass::test_static",
+    "TestClass::test_classmethod", "TestDerived::test_inherited", "test_twice", "test_fixture",
+    "test_thread", "test_from_conftest")) + (
+    "sub/test_sub.py::test_in_package", "sub/test_sub.py::TestInPackage::test_method",
+    "test_gen.py::test_generated[gen]")
+#: test_xpass runs unlisted: an XPASS is no pass to the pack's harness (nor to SWE-bench's parser).
+_P2P = ("test_calc.py::test_zero", "test_styles.py::test_xfail", "test_styles.py::TestUnit::test_expected_failure")
+
+
+@pytest.fixture(scope="module")
+def styles_task(calc_task):
+    """The calc task with the honest styles added by its test patch."""
+    patch = _new_files({"test_styles.py": _STYLES, "sub/__init__.py": "\n", "sub/test_sub.py": _SUB,
+                        "conftest.py": _CONFTEST, "test_gen.py": _GENERATED})
+    return calc_task.model_copy(update={"instance_id": "calc__styles-1", "test_patch": patch,
+                                        "FAIL_TO_PASS": _F2P, "PASS_TO_PASS": _P2P})
+
+
+def _write(path: str, data: bytes):
+    async def episode(lease) -> None:
+        await lease.write_file(path, data)
+    return episode
+
+
+async def test_honest_styles_score_1_with_the_gold_patch(test_images_root, styles_task):
+    gold = styles_task.patch.split("+++ b/calc.py\n", 1)[1]
+    assert "+    return a + b" in gold
+    result, _, infra = await _graded(test_images_root, styles_task,
+                                     _write("calc.py", b"def add(a, b):\n    return a + b\n"))
+    assert infra == {}, infra
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result
+
+
+async def test_honest_styles_score_0_without_the_fix(test_images_root, styles_task):
+    async def nothing(lease) -> None:
+        pass
+
+    result, _, infra = await _graded(test_images_root, styles_task, nothing)
+    assert infra == {}, infra
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 0.0), result
+    assert "never returned" not in str(result), result
+
