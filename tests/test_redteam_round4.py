@@ -8,7 +8,12 @@ pytest 9), on variants of the calc task whose test patch adds tests:
   ids holding ``::`` and ``[``, nested and inherited classes, a name defined twice, yield
   fixtures and a conftest's, xfail, static and class methods, a test package in a
   subdirectory, ``pytest_generate_tests``, threads, skips and expected failures) score 1 with
-  the gold patch and 0 without it, no test reported as tampered with.
+  the gold patch and 0 without it, no test reported as tampered with;
+* attacks by the code under test (calc.py, the fix space) score 0: the tests swapped for
+  wrappers that run the real test's code with globals of their own, swallow its failure, or
+  free the plugin's ``sys.monitoring`` tool ids first; class tests' methods rebound before
+  collection; a fake test module put in ``sys.modules``; pytest's cached ``item.obj`` pointed
+  at a passing function.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import pytest
 
 from sandpool.core import Outcome
 
-from .test_redteam_round3 import _graded
+from .test_redteam_round3 import _buggy_calc_with, _graded
 
 
 def _new_files(files: dict[str, str]) -> str:
@@ -258,3 +263,188 @@ async def test_honest_styles_score_0_without_the_fix(test_images_root, styles_ta
     assert (result.outcome, result.reward) == (Outcome.COMPLETED, 0.0), result
     assert "never returned" not in str(result), result
 
+
+# -- attacks by the code under test -------------------------------------------------------------
+
+#: Finds the test module importing calc; ``_swap`` (each attack's own) then runs at each line of
+#: that module as it executes, so it sees each test the moment it is defined.
+_TRACE = """\
+import sys, types
+_f = sys._getframe(1)
+while _f is not None and "test_" not in _f.f_globals.get("__name__", ""):
+    _f = _f.f_back
+_done = set()
+
+
+def _swap(frame, event, arg):
+    for name in NAMES:
+        real = frame.f_globals.get(name)
+        if real is not None and name not in _done:
+            _done.add(name)
+            frame.f_globals[name] = fake_of(real)
+    return _swap
+
+
+_f.f_trace = _swap
+sys.settrace(lambda *a: None)
+"""
+
+_OWN_GLOBALS = """\
+NAMES = ("test_add", "test_zero")
+
+
+def fake_of(real):
+    def fake():  # the real test's code, run with add() fixed in a namespace of its own
+        types.FunctionType(real.__code__, dict(real.__globals__, add=lambda a, b: a + b))()
+    return fake
+"""
+
+_SWALLOW = """\
+NAMES = ("test_add", "test_zero")
+
+
+def fake_of(real):
+    def fake():
+        try:
+            real()
+        except AssertionError:
+            pass
+    return fake
+"""
+
+_FREE_TOOLS = """\
+import sys
+NAMES = ("test_add", "test_zero")
+for _tool in (3, 4):  # the verdict plugin's own tool id, whichever it took
+    try:
+        sys.monitoring.free_tool_id(_tool)
+        sys.monitoring.use_tool_id(_tool, "mine")
+    except ValueError:
+        pass
+
+
+def fake_of(real):
+    return lambda: None
+"""
+
+
+@pytest.mark.parametrize("attack", [_OWN_GLOBALS, _SWALLOW, _FREE_TOOLS],
+                         ids=["real-code-own-globals", "swallow-assertion", "free-tool-ids"])
+async def test_tests_swapped_for_wrappers_of_the_real_code_score_0(test_images_root, calc_task, attack):
+    async def episode(lease) -> None:
+        await lease.write_file("calc.py", _buggy_calc_with(attack + _TRACE))
+        res = await lease.exec("python -m pytest -q -p no:cacheprovider test_calc.py", timeout=60)
+        print("POLICY'S OWN RUN", res.text[-300:])
+        assert "2 passed" in res.text, res.text  # the attack fakes the fix where the policy runs the tests
+
+    result, _, infra = await _graded(test_images_root, calc_task, episode)
+    assert infra == {}, infra
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result
+
+
+_CLASSES = '''\
+import unittest
+
+from calc import add
+
+
+class TestAdd:
+    def test_add(self):
+        assert add(2, 3) == 5
+
+
+class TestAddUnit(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+'''
+
+
+@pytest.fixture(scope="module")
+def classes_task(calc_task):
+    """The calc task whose failing tests are methods of classes in a second test module."""
+    return calc_task.model_copy(update={
+        "instance_id": "calc__classes-1", "test_patch": _new_files({"test_cls.py": _CLASSES}),
+        "FAIL_TO_PASS": ("test_cls.py::TestAdd::test_add", "test_cls.py::TestAddUnit::test_add"),
+        "PASS_TO_PASS": ("test_calc.py::test_zero",)})
+
+
+#: A tracer for the lines of test_cls.py's module code: each test class, once defined, has its
+#: test rebound to one that passes, before pytest collects it.
+_METHODS_REBOUND = """\
+import sys
+
+
+def _passes(self):
+    pass
+
+
+def _lines(frame, event, arg):
+    for name in ("TestAdd", "TestAddUnit"):
+        cls = frame.f_globals.get(name)
+        if isinstance(cls, type) and "test_add" in vars(cls):
+            cls.test_add = _passes
+    return _lines
+
+
+def _calls(frame, event, arg):
+    if frame.f_globals.get("__name__") == "test_cls" and frame.f_code.co_name == "<module>":
+        return _lines
+    return None
+
+
+sys.settrace(_calls)
+"""
+
+
+#: Imported by test_calc.py, collected first: test_cls is a module of the code under test's.
+_MODULE_PREFILLED = """\
+import os, sys, types, unittest
+_m = types.ModuleType("test_cls")
+_m.__file__ = os.path.abspath("test_cls.py")
+exec("import unittest\\nclass TestAdd:\\n    def test_add(self): pass\\n"
+     "class TestAddUnit(unittest.TestCase):\\n    def test_add(self): pass\\n", _m.__dict__)
+sys.modules["test_cls"] = _m
+"""
+
+#: At the first call of add() (test_calc.py's tests run first), every test item later in the
+#: session is pointed at a function that passes: pytest's cached ``item.obj``.
+_ITEM_OBJ = """\
+import gc
+_swapped = []
+
+
+def _passes(*args):
+    pass
+
+
+def add(a, b):
+    if not _swapped:
+        for o in gc.get_objects():
+            if type(o).__name__ in ("Function", "TestCaseFunction") and "test_cls" in getattr(o, "nodeid", ""):
+                o._obj = _passes
+                _swapped.append(o)
+    return a - b
+"""
+
+
+@pytest.mark.parametrize("attack", [_METHODS_REBOUND, _MODULE_PREFILLED, _ITEM_OBJ],
+                         ids=["class-methods-rebound", "sys-modules-prefilled", "item-obj-cache"])
+async def test_class_tests_swapped_by_the_code_under_test_score_0(test_images_root, classes_task, attack):
+    async def episode(lease) -> None:
+        await lease.write_file("calc.py", _buggy_calc_with(attack))
+        await lease.write_file("test_cls.py", _CLASSES.encode())  # the policy's own copy, removed after
+        res = await lease.exec("python -m pytest -q -p no:cacheprovider test_calc.py test_cls.py; rm test_cls.py",
+                               timeout=60)
+        print("POLICY'S OWN RUN", res.text[-600:])
+        assert "3 passed" in res.text, res.text  # the attack fakes the fix where the policy runs the tests
+
+    result, _, infra = await _graded(test_images_root, classes_task, episode)
+    assert infra == {}, infra
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result
+
+
+async def test_the_class_tests_score_1_with_the_gold_patch(test_images_root, classes_task):
+    result, _, infra = await _graded(test_images_root, classes_task,
+                                     _write("calc.py", b"def add(a, b):\n    return a + b\n"))
+    assert infra == {}, infra
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result

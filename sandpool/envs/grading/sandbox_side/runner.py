@@ -83,12 +83,13 @@ def harness_python_env(job):
     return out
 
 
-def verify_test_sources(rewrite, tampered, job, workdir, trusted_code):
+def verify_test_sources(rewrite, tampered, job, workdir, trusted_code, trusted_files):
     """Compile each test module and conftest.py from bytes checked against their hashes,
     taken before any of the repo's code ran: code under test that rewrites a later test
     module on disk is found, and pytest compiles what was checked, not a second read.
     What is compiled from the task's test files (``job["trusted"]``: repo-relative files,
-    directories ending in ``/``, and any conftest.py), checked, goes into ``trusted_code``.
+    directories ending in ``/``, and any conftest.py), checked, goes into ``trusted_code``;
+    the real paths of those files (the ones hashed) go into ``trusted_files``.
 
     Every function these checks call is bound here, before any of the repo's code runs: this
     module is ``__main__``, and its names are the code under test's to rebind."""
@@ -116,6 +117,8 @@ def verify_test_sources(rewrite, tampered, job, workdir, trusted_code):
         rel = real[len(workdir) + 1:].replace(sep, "/")
         return (basename(rel) == "conftest.py" or rel in trusted
                 or b_any([t.endswith("/") and rel.startswith(t) for t in trusted]))
+
+    trusted_files.update([real for real in hashes if is_trusted(real)])
 
     def trust(code):  # the code object and every one nested in it
         todo = [code]
@@ -225,15 +228,15 @@ def main(argv):
     with open(job["key"], "rb") as f:
         key = f.read()
     os.unlink(job["key"])
-    trusted_code = {}
-    plugin, snapshot, tampered = verdict.make(key, job["report"], trusted_code)
+    trusted_code, trusted_files = {}, set()
+    plugin, snapshot, tampered = verdict.make(key, job["report"], trusted_code, trusted_files)
     del key, verdict
     sys.modules.pop(job["plugin"], None)  # reachable by no name: the plugin holds its state
     # pytest reads a cached rewritten module when its mtime and size match the source: a
     # planted one would replace a test module. Always rewrite from the source instead.
     if hasattr(rewrite, "_read_pyc"):
         rewrite._read_pyc = lambda *args, **kwargs: None
-    verify_test_sources(rewrite, tampered, job, workdir, trusted_code)
+    verify_test_sources(rewrite, tampered, job, workdir, trusted_code, trusted_files)
     snapshot()
     sys.stdout.write("%s python %s pytest %s\n" % (STARTED, sys.version.split()[0], pytest.__version__))
     sys.stdout.flush()

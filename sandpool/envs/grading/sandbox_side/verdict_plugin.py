@@ -18,9 +18,11 @@ into the report at the end of the session: pytest's and pluggy's test-running, r
 assertion-rewriting machinery unchanged (every function, class and descriptor of their
 modules, and the hook callers and their dispatch); no hook implementation added after
 collection began on the hooks that collect, run and report a test, except by a conftest.py;
-each test's item, class and function still the ones collected; on Python >= 3.12, each
-passed test's own def in the checked test file returned during its call (``sys.monitoring``:
-a name rebound before collection, or a wrapper that swallows the test's failure, is found);
+each test's item, class and function still the ones collected; each test of a checked test
+file collected from the module compiled from that file (not one put in ``sys.modules``); on
+Python >= 3.12, each passed test's own def in the checked test file returned during its call,
+in its module's namespace (``sys.monitoring``: a name rebound before collection, a wrapper
+that swallows the test's failure or runs the test's code with globals of its own, is found);
 an expected failure (XFAIL) raised only by the test itself. Then the grader cross-checks the
 report with the log and the exit status.
 
@@ -100,7 +102,7 @@ def _pytest_dirs():
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (_pytest, pluggy))
 
 
-def make(key, report_path, trusted_code=None):
+def make(key, report_path, trusted_code=None, trusted_files=None):
     """Build the plugin of one run; return ``(plugin, snapshot, tampered)``.
 
     ``plugin`` is the object to register with pytest (its attributes are its hooks only);
@@ -110,6 +112,10 @@ def make(key, report_path, trusted_code=None):
     (id -> code object) the runner fills with every code object it compiles from the task's
     test files, conftest.py included; an imperative xfail is the test's own only when raised
     from one of them (None: graded in place, the test files are known by name only).
+    ``trusted_files``: a set the runner fills with the real paths of those files; a test
+    collected from one of them that no code compiled from it defines is recorded as tampering
+    (its module was not the one compiled from the checked file, e.g. put in ``sys.modules``
+    by the code under test).
     """
     # Bound now: what the code under test may rebind later (a module attribute, a method of
     # a class, a builtin) is never looked up again by the report or its checks. The report's
@@ -141,30 +147,44 @@ def make(key, report_path, trusted_code=None):
     # name was bound to other code before collection, or a wrapper swallowed its failure).
     monitor = _monitor() if trusted_code is not None else None
     realpath = os.path.realpath
-    own = {}  # node id -> ids of the trusted code objects of the test's def
-    running = {"ids": None, "returned": 0, "passed": False}
+    getframe = sys._getframe
+    own = {}  # node id -> (ids of the trusted code objects of the test's def, its module's dict)
+    running = {"ids": None, "globals": None, "returned": 0, "passed": False}
 
     def returned(code, offset, value):
-        if running["ids"] is not None and b_id(code) in running["ids"]:
+        # Only a return in the test module's own namespace: the test's code run as a new
+        # function with globals of the code under test's (its names rebound) is not the test.
+        if (running["ids"] is not None and b_id(code) in running["ids"]
+                and getframe(1).f_globals is running["globals"]):
             running["returned"] += 1
 
     def watch_own(collected):
-        set_local_events, register_callback, py_return = monitor
-        index = {}
+        index, compiled = {}, b_set()
         for code in b_list(trusted_code.values()):
-            index.setdefault((realpath(code.co_filename), code.co_qualname), []).append(code)
+            qualname = b_getattr(code, "co_qualname", code.co_name)  # Python >= 3.11
+            index.setdefault((realpath(code.co_filename), qualname), []).append(code)
+            compiled.add(realpath(code.co_filename))
         for item in collected:
-            parts = item.nodeid.split("::")
-            if b_len(parts) < 2:
+            nodeid, name = item.nodeid, b_str(item.name)
+            if "[" in name and nodeid.endswith(name):  # a parameter id may hold "::"
+                nodeid = nodeid[:-b_len(name)] + name.split("[", 1)[0]
+            parts = nodeid.split("::")
+            module = b_getattr(item, "module", None)
+            if b_len(parts) < 2 or module is None:
                 continue
-            qualname = ".".join(parts[1:-1] + [parts[-1].split("[", 1)[0]])
+            qualname = ".".join(parts[1:])
             path = b_getattr(item, "path", None) or b_getattr(item, "fspath", None)
-            codes = index.get((realpath(b_str(path)), qualname)) if path is not None else None
-            if codes:
-                own[item.nodeid] = b_set([b_id(c) for c in codes])
+            real = realpath(b_str(path)) if path is not None else None
+            if real in (trusted_files or ()) and real not in compiled:
+                tampered("test %s collected from a module not compiled from its checked file"
+                         % item.nodeid)
+            codes = index.get((real, qualname)) if real is not None else None
+            if codes and monitor is not None:
+                own[item.nodeid] = (b_set([b_id(c) for c in codes]), b_vars(module))
                 for c in codes:
-                    set_local_events(c, py_return)
-        register_callback(py_return, returned)
+                    monitor[0](c, monitor[2])
+        if monitor is not None:
+            monitor[1](monitor[2], returned)
 
     def encode(value):
         if value is None or b_isinstance(value, b_bool):
@@ -284,7 +304,8 @@ def make(key, report_path, trusted_code=None):
 
     def pytest_runtest_call(item):
         # Registered after pytest's own runner plugin, so this runs before it calls the test.
-        running["ids"], running["returned"], running["passed"] = own.get(item.nodeid), 0, False
+        running["ids"], running["globals"] = own.get(item.nodeid, (None, None))
+        running["returned"], running["passed"] = 0, False
         known = items.get(item.nodeid)
         if known is None:
             return
@@ -294,7 +315,7 @@ def make(key, report_path, trusted_code=None):
             tampered("test %s replaced after collection" % item.nodeid)
 
     def pytest_collection_finish(session):
-        if ours(session.config) and monitor is not None:
+        if ours(session.config) and trusted_code is not None:
             watch_own(session.items)
         if ours(session.config):
             emit({"ev": "collected", "n": b_len(session.items),
