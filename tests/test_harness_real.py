@@ -96,7 +96,7 @@ LOGS = Path(__file__).parent / "data" / "runner_logs"
 def test_swebench_django_parser_on_a_real_runtests_log_matches_its_closing_counts():
     from swebench.harness.log_parsers import MAP_REPO_TO_PARSER
 
-    from sandpool.envs.grading.verdict import runner_check
+    from sandpool.envs.grading.runner_log import runner_check
 
     log = (LOGS / "django_5.2.8_utils_text_mutant.txt").read_text()
     status = MAP_REPO_TO_PARSER["django/django"](log, None)
@@ -111,7 +111,7 @@ def test_swebench_django_parser_on_a_real_runtests_log_matches_its_closing_count
 def test_swebench_sympy_parser_on_a_real_bin_test_log_matches_its_closing_counts():
     from swebench.harness.log_parsers import MAP_REPO_TO_PARSER
 
-    from sandpool.envs.grading.verdict import runner_check
+    from sandpool.envs.grading.runner_log import runner_check
 
     log = (LOGS / "sympy_1.13.3_iterables_mutant.txt").read_text()
     status = MAP_REPO_TO_PARSER["sympy/sympy"](log, None)

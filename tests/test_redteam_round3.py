@@ -93,7 +93,8 @@ _BACKTRACKING = {
 @pytest.mark.parametrize("line", list(_BACKTRACKING.values()), ids=list(_BACKTRACKING))
 def test_each_log_parser_reads_a_mib_line_in_linear_time(line):
     from sandpool.envs.grading.pytest_log import parse_test_log_details
-    from sandpool.envs.grading.verdict import _closing_counts, runner_check
+    from sandpool.envs.grading.runner_log import runner_check
+    from sandpool.envs.grading.verdict import _closing_counts
     t0 = time.monotonic()
     parse_test_log_details(line)
     _closing_counts(line)

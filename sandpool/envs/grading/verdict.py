@@ -9,9 +9,8 @@ status, and pytest's own closing counts. Any disagreement in the direction of a 
 did not happen is evidence of tampering; the rollout then scores 0 with the evidence kept.
 
 For runners that are not pytest (django's ``tests/runtests.py``, sympy's ``bin/test``) no
-plugin can be loaded; :func:`runner_check` compares the runner's closing lines with its exit
-status. Its limit, stated plainly: code that prints a full, consistent fake transcript
-including the closing lines and then exits with the matching status is not caught there.
+plugin can be loaded; :func:`~sandpool.envs.grading.runner_log.runner_check` compares the
+runner's closing lines with its exit status.
 """
 
 from __future__ import annotations
@@ -26,9 +25,10 @@ from sandpool.core import errors
 from sandpool.core.base import ExecResult
 from sandpool.core.task import Task
 from sandpool.envs.grading.harness import TestPlan
+from sandpool.envs.grading.runner_log import ANSI, RUNNERS, runner_check
 
-__all__ = ["MAX_LOG_BYTES", "RUNNERS", "GradeResult", "SignedReport", "cross_check", "read_signed_report",
-           "runner_check", "score_run", "unresolved"]
+__all__ = ["MAX_LOG_BYTES", "GradeResult", "SignedReport", "cross_check", "read_signed_report",
+           "score_run", "unresolved"]
 
 #: Cap on the captured test log; a longer log scores 0 (the code under test wrote it).
 MAX_LOG_BYTES = 64 << 20
@@ -41,9 +41,6 @@ _PASS = ("PASSED", "XFAIL")
 _SUMMARY = re.compile(r"^=+ (.*) in [\d.]+s(?: \([^()]*\))? =+$")
 _HAS_COUNT = re.compile(r"\d \w")
 _COUNT = re.compile(r"(?<!\d)(\d{1,18}) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)")
-_SYMPY_END = re.compile(r"(.*) in [\d.]+ seconds")
-_SYMPY_FAILED = re.compile(r"(?<!\d)\d+ (failed|exceptions?)")
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 @dataclass
@@ -170,7 +167,7 @@ def _nodeid(rec: dict) -> str:
 
 
 def _closing_counts(log: str) -> dict[str, int] | None:
-    for line in reversed(_ANSI.sub("", log).splitlines()):
+    for line in reversed(ANSI.sub("", log).splitlines()):
         m = _SUMMARY.match(line.strip())
         if m and _HAS_COUNT.search(m.group(1)):
             return {w.rstrip("s") if w.startswith(("error", "warning")) else w: int(n)
@@ -227,54 +224,6 @@ def cross_check(rep: SignedReport, *, log: str, log_status: dict[str, str], exit
     if rep.sealed and counts is not None and counts.get("passed", 0) != rep.passed_calls:
         evidence.append(f"the log's closing line counts {counts.get('passed', 0)} passed; pytest's "
                         f"signed report counts {rep.passed_calls}")
-    return evidence
-
-
-#: Runners :func:`runner_check` knows the closing lines of, by SWE-bench repo.
-RUNNERS = {"django/django": "unittest", "sympy/sympy": "sympy"}
-
-
-def _sympy_closing_lines(text: str) -> list[str]:
-    """What follows ``tests finished:`` up to the last `` in N seconds`` of each line that has
-    both (sympy's closing line), in order: the first mention on a line opens the match."""
-    found = []
-    for line in text.split("\n"):  # as `.` stops: at a newline only
-        at = line.find("tests finished: ")
-        m = _SYMPY_END.match(line, at + len("tests finished: ")) if at != -1 else None
-        if m:
-            found.append(m.group(1))
-    return found
-
-
-def runner_check(log: str, exit_code: int, *, resolved_by_log: bool, runner: str) -> list[str]:
-    """Cross-check a non-pytest runner's closing lines with its exit status.
-
-    Reads unittest's (django ``runtests.py``, ``runner="unittest"``) ``Ran N tests`` then
-    ``OK`` / ``FAILED (...)`` and sympy ``bin/test``'s (``runner="sympy"``) ``tests finished:
-    ...`` line. A log the harness scores as resolved must end with the runner's own closing
-    lines, and they must agree with the exit status. Other runners (the JavaScript, Go, ...
-    harnesses of SWE-bench) are not checked. See the module docstring for what this cannot
-    catch.
-
-    Returns:
-        One sentence per disagreement (empty: none found, or an unknown runner).
-    """
-    text = _ANSI.sub("", log)
-    evidence: list[str] = []
-    unittest_ok = re.findall(r"^(OK|FAILED)\b.*$", text, re.M) if runner == "unittest" else []
-    sympy = _sympy_closing_lines(text) if runner == "sympy" else []
-    if runner not in ("unittest", "sympy"):
-        return evidence
-    if sympy:
-        failed = _SYMPY_FAILED.search(sympy[-1]) is not None
-        if failed == (exit_code == 0):
-            evidence.append(f"bin/test reports '{sympy[-1]}' but exited {exit_code}")
-    elif unittest_ok and re.search(r"^Ran \d+ tests? in ", text, re.M):
-        if (unittest_ok[-1] == "OK") != (exit_code == 0):
-            evidence.append(f"the test runner's closing verdict is {unittest_ok[-1]} but it exited {exit_code}")
-    elif resolved_by_log and exit_code == 0:
-        evidence.append("the log shows passing tests but none of the runner's closing lines "
-                        "(the runner was ended early)")
     return evidence
 
 

@@ -1,7 +1,9 @@
 """pytest plugin the grader loads inside the sandbox: a signed per-test report.
 
 This file is not imported by sandpool. It must run on every Python and pytest a SWE image may
-carry (Python >= 3.6, pytest >= 3), so it uses no newer syntax. It is loaded one of two ways:
+carry (Python >= 3.6, pytest >= 3), so it uses no newer syntax. It is one file because it is
+copied into the sandbox as it is, beside ``runner.py``, and imported before any of the repo's
+code. It is loaded one of two ways:
 
 * by the isolated runner (``runner.py``), which imports it before anything from the repo,
   builds the plugin with :func:`make` (the per-run key, the report path) and then drops this
