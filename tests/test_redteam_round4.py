@@ -448,3 +448,60 @@ async def test_the_class_tests_score_1_with_the_gold_patch(test_images_root, cla
                                      _write("calc.py", b"def add(a, b):\n    return a + b\n"))
     assert infra == {}, infra
     assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result
+
+
+_INHERITED = '''\
+from calc import add
+
+
+class Base:
+    def test_add(self):
+        assert add(2, 3) == 5
+
+
+class TestDerived(Base):
+    pass
+'''
+
+#: TestDerived, once defined, gets a test_add of its own that passes: its node id names no def
+#: of the checked file (the real one is Base.test_add), so no def is watched for it.
+_INHERITED_REBOUND = """\
+import sys
+
+
+def _passes(self):
+    pass
+
+
+def _lines(frame, event, arg):
+    cls = frame.f_globals.get("TestDerived")
+    if isinstance(cls, type) and "test_add" not in vars(cls):
+        cls.test_add = _passes
+    return _lines
+
+
+_f = sys._getframe(1)
+while _f is not None and _f.f_globals.get("__name__") != "test_inh":
+    _f = _f.f_back
+_f.f_trace = _lines
+sys.settrace(lambda *a: None)
+"""
+
+
+async def test_an_inherited_test_rebound_on_its_class_scores_0(test_images_root, calc_task):
+    task = calc_task.model_copy(update={
+        "instance_id": "calc__inherited-1", "test_patch": _new_files({"test_inh.py": _INHERITED}),
+        "FAIL_TO_PASS": ("test_inh.py::TestDerived::test_add",), "PASS_TO_PASS": ()})
+    gold, _, _ = await _graded(test_images_root, task, _write("calc.py", b"def add(a, b):\n    return a + b\n"))
+    assert (gold.outcome, gold.reward) == (Outcome.COMPLETED, 1.0), gold
+
+    async def episode(lease) -> None:
+        await lease.write_file("calc.py", _buggy_calc_with(_INHERITED_REBOUND))
+        await lease.write_file("test_inh.py", _INHERITED.encode())  # the policy's own copy, removed after
+        res = await lease.exec("python -m pytest -q -p no:cacheprovider test_inh.py; rm test_inh.py", timeout=60)
+        print("POLICY'S OWN RUN", res.text[-600:])
+        assert "1 passed" in res.text, res.text  # the attack fakes the fix where the policy runs the tests
+
+    result, _, infra = await _graded(test_images_root, task, episode)
+    assert infra == {}, infra
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result

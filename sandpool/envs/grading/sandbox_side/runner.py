@@ -83,13 +83,16 @@ def harness_python_env(job):
     return out
 
 
-def verify_test_sources(rewrite, tampered, job, workdir, trusted_code, trusted_files):
+def verify_test_sources(rewrite, tampered, job, workdir, trusted_code, trusted_files, inherited):
     """Compile each test module and conftest.py from bytes checked against their hashes,
     taken before any of the repo's code ran: code under test that rewrites a later test
     module on disk is found, and pytest compiles what was checked, not a second read.
     What is compiled from the task's test files (``job["trusted"]``: repo-relative files,
     directories ending in ``/``, and any conftest.py), checked, goes into ``trusted_code``;
-    the real paths of those files (the ones hashed) go into ``trusted_files``.
+    the real paths of those files (the ones hashed) go into ``trusted_files``; and, read from
+    the same checked source, where each test a class inherits is defined in the file
+    (``inherited``: ``(real path, "Derived.test_x") -> "Base.test_x"``, see
+    :func:`inherited_defs`).
 
     Every function these checks call is bound here, before any of the repo's code runs: this
     module is ``__main__``, and its names are the code under test's to rebind."""
@@ -98,6 +101,7 @@ def verify_test_sources(rewrite, tampered, job, workdir, trusted_code, trusted_f
         hashlib.sha256, open, str, isinstance, id, any)
     os_stat, parse, b_compile = os.stat, ast.parse, compile
     code_type = type(verify_test_sources.__code__)
+    inherited_defs = _inherited_defs_of()
     trusted = frozenset(job.get("trusted") or ())
     hashes = {}
     try:
@@ -156,10 +160,80 @@ def verify_test_sources(rewrite, tampered, job, workdir, trusted_code, trusted_f
             out = stat, b_compile(tree, path, "exec", dont_inherit=True)
         if checked and out is not None and is_trusted(real):
             trust(out[1])
+            for qualname, owner in inherited_defs(parse(data, filename=path)).items():
+                inherited[(real, qualname)] = owner
         return out
 
     rewrite._rewrite_test = _rewrite_test
     verify_module_sources(hashes, tampered, is_trusted, trust)
+
+
+def _inherited_defs_of():
+    """Return ``inherited_defs(tree)``, with every name it uses bound now (see above)."""
+    ClassDef, Name, defs = ast.ClassDef, ast.Name, (ast.FunctionDef, ast.AsyncFunctionDef)
+    assigns, ast_assign = (ast.Assign, ast.AnnAssign, ast.AugAssign), ast.Assign
+    b_isinstance, b_set, b_list, b_any = isinstance, set, list, any
+
+    def inherited_defs(tree):
+        """``{"Derived.name": "Base.name"}`` for each method a top-level class of ``tree``
+        inherits from a top-level class of the same file, where Python's lookup is certain
+        from the source: the bases, depth first from the left, reach the defining class
+        through classes of the file only, with none met twice (a diamond) and no base that
+        is not a plain name of the file (an imported base could define it first)."""
+        classes = {}
+        for node in tree.body:
+            if b_isinstance(node, ClassDef):  # a later definition replaces an earlier one
+                bases = [b.id if b_isinstance(b, Name) else None for b in node.bases]
+                own = b_set([n.name for n in node.body if b_isinstance(n, defs)])
+                bound = b_set()  # names the class body binds otherwise (test_x = ...)
+                for n in node.body:
+                    if b_isinstance(n, assigns):
+                        targets = n.targets if b_isinstance(n, ast_assign) else [n.target]
+                        bound.update([t.id for t in targets if b_isinstance(t, Name)])
+                classes[node.name] = (bases, own - bound, own | bound)
+
+        def lookup_order(name, seen=()):
+            # Python's C3 linearization over the file's classes; a base that is not one of
+            # them is an opaque entry (None), after which nothing is certain. [None] when the
+            # bases cannot be linearized (or name a class in its own ancestry).
+            if name is None or name not in classes or name in seen:
+                return [None]
+            bases = classes[name][0]
+            seqs = [lookup_order(b, seen + (name,)) for b in bases] + [b_list(bases)]
+            order = [name]
+            while True:
+                seqs = [q for q in seqs if q]
+                if not seqs:
+                    return order
+                for q in seqs:
+                    head = q[0]
+                    if head is None or not b_any([head in r[1:] for r in seqs]):
+                        break
+                else:
+                    return order + [None]
+                if head is None:
+                    return order + [None]
+                order.append(head)
+                seqs = [r[1:] if r[0] == head else r for r in seqs]
+
+        found = {}
+        for name in b_list(classes):
+            order = lookup_order(name)
+            methods = b_set()
+            for c in order:
+                if c is not None:
+                    methods.update(classes[c][1])
+            for method in methods:
+                for c in order:
+                    if c is None:
+                        break  # an opaque base comes first: it may define it
+                    if method in classes[c][2]:  # the first class that binds the name
+                        if c != name and method in classes[c][1]:  # by a def, not elsewhere
+                            found["%s.%s" % (name, method)] = "%s.%s" % (c, method)
+                        break
+        return found
+
+    return inherited_defs
 
 
 def verify_module_sources(hashes, tampered, is_trusted, trust):
@@ -228,15 +302,16 @@ def main(argv):
     with open(job["key"], "rb") as f:
         key = f.read()
     os.unlink(job["key"])
-    trusted_code, trusted_files = {}, set()
-    plugin, snapshot, tampered = verdict.make(key, job["report"], trusted_code, trusted_files)
+    trusted_code, trusted_files, inherited = {}, set(), {}
+    plugin, snapshot, tampered = verdict.make(key, job["report"], trusted_code, trusted_files,
+                                              inherited)
     del key, verdict
     sys.modules.pop(job["plugin"], None)  # reachable by no name: the plugin holds its state
     # pytest reads a cached rewritten module when its mtime and size match the source: a
     # planted one would replace a test module. Always rewrite from the source instead.
     if hasattr(rewrite, "_read_pyc"):
         rewrite._read_pyc = lambda *args, **kwargs: None
-    verify_test_sources(rewrite, tampered, job, workdir, trusted_code, trusted_files)
+    verify_test_sources(rewrite, tampered, job, workdir, trusted_code, trusted_files, inherited)
     snapshot()
     sys.stdout.write("%s python %s pytest %s\n" % (STARTED, sys.version.split()[0], pytest.__version__))
     sys.stdout.flush()

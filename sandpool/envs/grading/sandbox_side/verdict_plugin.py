@@ -104,7 +104,7 @@ def _pytest_dirs():
     return tuple(os.path.dirname(m.__file__) + os.sep for m in (_pytest, pluggy))
 
 
-def make(key, report_path, trusted_code=None, trusted_files=None):
+def make(key, report_path, trusted_code=None, trusted_files=None, inherited=None):
     """Build the plugin of one run; return ``(plugin, snapshot, tampered)``.
 
     ``plugin`` is the object to register with pytest (its attributes are its hooks only);
@@ -117,7 +117,9 @@ def make(key, report_path, trusted_code=None, trusted_files=None):
     ``trusted_files``: a set the runner fills with the real paths of those files; a test
     collected from one of them that no code compiled from it defines is recorded as tampering
     (its module was not the one compiled from the checked file, e.g. put in ``sys.modules``
-    by the code under test).
+    by the code under test). ``inherited``: a dict the runner fills, ``(real path,
+    "Derived.test_x") -> "Base.test_x"``, for a test a class inherits from a class of the
+    same checked file: that def is the one watched.
     """
     # Bound now: what the code under test may rebind later (a module attribute, a method of
     # a class, a builtin) is never looked up again by the report or its checks. The report's
@@ -181,6 +183,8 @@ def make(key, report_path, trusted_code=None, trusted_files=None):
                 tampered("test %s collected from a module not compiled from its checked file"
                          % item.nodeid)
             codes = index.get((real, qualname)) if real is not None else None
+            if not codes and inherited and (real, qualname) in inherited:
+                codes = index.get((real, inherited[(real, qualname)]))
             if codes and monitor is not None:
                 own[item.nodeid] = (b_set([b_id(c) for c in codes]), b_vars(module))
                 for c in codes:
