@@ -74,6 +74,29 @@ async def _starve_agent(backend: LocalBackend, lease) -> float:
     return 1.0
 
 
+def honest_after_a_host_kill(task: Task, used: list[str], pause_s: float = 0.0):
+    """An episode that applies the gold patch and grades it; on its first attempt the host
+    kills the sandbox's agent between two steps (infra, retried), ``pause_s`` after step 1.
+    Each attempt appends its sandbox's id to ``used``."""
+    attempts = 0
+
+    async def honest(lease) -> float:
+        nonlocal attempts
+        attempts += 1
+        used.append(lease.sandbox.id)
+        if attempts == 1:
+            assert (await lease.exec("echo step 1")).ok
+            await asyncio.sleep(pause_s)
+            _kill_agent(lease.sandbox)
+            await until(lambda: not lease.sandbox.alive(), "the killed agent's channel to close")
+            await lease.exec("echo step 2")
+        await lease.write_file("/tmp/gold.patch", task.patch.encode())
+        assert (await lease.exec("git apply /tmp/gold.patch")).ok
+        return (await grade(lease, task)).reward
+
+    return honest
+
+
 async def _rollout(backend: LocalBackend, task: Task, attack) -> tuple[object, SandboxPool]:
     """Run one rollout whose first attempt meets ``attack(lease)``; later attempts grade gold."""
     attempts = 0
@@ -251,20 +274,7 @@ async def test_a_starved_agent_of_one_rollout_is_no_evidence_against_the_next(te
         used.append(lease.sandbox.id)
         return await _starve_agent(backend, lease)
 
-    attempts = 0
-
-    async def honest(lease) -> float:
-        nonlocal attempts
-        attempts += 1
-        used.append(lease.sandbox.id)
-        if attempts == 1:  # the host kills its agent between two steps: infra, retried
-            assert (await lease.exec("echo step 1")).ok
-            _kill_agent(lease.sandbox)
-            await until(lambda: not lease.sandbox.alive(), "the killed agent's channel to close")
-            await lease.exec("echo step 2")
-        await lease.write_file("/tmp/gold.patch", calc_task.patch.encode())
-        assert (await lease.exec("git apply /tmp/gold.patch")).ok
-        return (await grade(lease, calc_task)).reward
+    honest = honest_after_a_host_kill(calc_task, used)
 
     async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
         first = await run_rollout(pool, calc_task, starve)

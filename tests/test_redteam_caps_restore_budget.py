@@ -23,8 +23,7 @@ from sandpool.core.agent.client import READ_MAX
 from sandpool.core.backends.local import LocalBackend
 from sandpool.envs.grading import grade
 
-from .test_death_by_evidence import _kill_agent
-from .waiting import until
+from .test_death_by_evidence import honest_after_a_host_kill
 
 _PLANT = ("git apply /tmp/gold.patch && echo leaked > ignored.txt && echo ignored.txt >> .git/info/exclude"
           " && printf '#!/bin/sh\\nexit 0\\n' > .git/hooks/pre-commit && chmod +x .git/hooks/pre-commit"
@@ -113,21 +112,8 @@ async def test_a_fork_racer_left_by_a_starving_policy_is_no_evidence_against_the
                        + int((group / "work" / "pids.events").read_text().split()[1]))
         return 0.0
 
-    attempts = 0
-
-    async def honest(lease) -> float:
-        nonlocal attempts
-        attempts += 1
-        used.append(lease.sandbox.id)
-        if attempts == 1:
-            assert (await lease.exec("echo step 1")).ok
-            await asyncio.sleep(2)  # a racer that survived the reset would spend pids here
-            _kill_agent(lease.sandbox)
-            await until(lambda: not lease.sandbox.alive(), "the killed agent's channel to close")
-            await lease.exec("echo step 2")
-        await lease.write_file("/tmp/gold.patch", calc_task.patch.encode())
-        assert (await lease.exec("git apply /tmp/gold.patch")).ok
-        return (await grade(lease, calc_task)).reward
+    # The pause: a racer that survived the reset would spend pids then.
+    honest = honest_after_a_host_kill(calc_task, used, pause_s=2.0)
 
     async with SandboxPool(backend, "reuse", PoolLimits(max_live=1)) as pool:
         await run_rollout(pool, calc_task, starve)
