@@ -328,6 +328,23 @@ def fake_of(real):
 """
 
 
+_PATCHED_GLOBALS = """\
+NAMES = ("test_add", "test_zero")
+
+
+def fake_of(real):
+    def fake():  # the real test's code, in its own module, with that module's add() fixed meanwhile
+        g = real.__globals__
+        old = g["add"]
+        g["add"] = lambda a, b: a + b
+        try:
+            real()
+        finally:
+            g["add"] = old
+    return fake
+"""
+
+
 @pytest.mark.parametrize("attack", [_OWN_GLOBALS, _SWALLOW, _FREE_TOOLS],
                          ids=["real-code-own-globals", "swallow-assertion", "free-tool-ids"])
 async def test_tests_swapped_for_wrappers_of_the_real_code_score_0(test_images_root, calc_task, attack):
@@ -505,3 +522,236 @@ async def test_an_inherited_test_rebound_on_its_class_scores_0(test_images_root,
     result, _, infra = await _graded(test_images_root, task, episode)
     assert infra == {}, infra
     assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result
+
+
+#: Honest code: TestDerived inherits test_add through the first Base (Python binds the base
+#: when the class statement runs); a later class Base, with a test_add of its own, replaces
+#: that name afterwards. The runner's map, built from the file's last class of each name,
+#: points TestDerived.test_add at the later Base.test_add, which never runs for it.
+_REDEFINED = '''\
+from calc import add
+
+
+class Common:
+    def test_add(self):
+        assert add(2, 3) == 5
+
+
+class Base(Common):
+    pass
+
+
+class TestDerived(Base):
+    pass
+
+
+class Base:
+    def test_add(self):
+        assert add(1, 1) == 2
+'''
+
+
+async def test_an_inherited_test_through_a_redefined_base_scores_1_with_the_gold_patch(
+        test_images_root, calc_task):
+    task = calc_task.model_copy(update={
+        "instance_id": "calc__redefined-1", "test_patch": _new_files({"test_redef.py": _REDEFINED}),
+        "FAIL_TO_PASS": ("test_redef.py::TestDerived::test_add",), "PASS_TO_PASS": ()})
+    result, _, infra = await _graded(test_images_root, task,
+                                     _write("calc.py", b"def add(a, b):\n    return a + b\n"))
+    assert infra == {}, infra
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result
+
+
+_INHERITED_UNITTEST = '''\
+import unittest
+
+from calc import add
+
+
+class Base(unittest.TestCase):
+    def test_add(self):
+        self.assertEqual(add(2, 3), 5)
+
+
+class TestDerived(Base):
+    pass
+'''
+
+#: TestDerived, once defined, gets a test_add that runs the real Base.test_add, in its own
+#: module, on a stand-in self whose assertEqual checks nothing: the watched def returns.
+_INHERITED_STUB_SELF = """\
+import sys
+
+
+class _Lenient:
+    def assertEqual(self, *args, **kwargs):
+        pass
+
+
+def _lines(frame, event, arg):
+    cls = frame.f_globals.get("TestDerived")
+    if isinstance(cls, type) and "test_add" not in vars(cls):
+        real = cls.__mro__[1].__dict__["test_add"]
+        cls.test_add = lambda self: real(_Lenient())
+    return _lines
+
+
+_f = sys._getframe(1)
+while _f is not None and _f.f_globals.get("__name__") != "test_inh":
+    _f = _f.f_back
+_f.f_trace = _lines
+sys.settrace(lambda *a: None)
+"""
+
+
+def _inherited_attack(swap: str) -> str:
+    """Code under test that runs ``swap`` (with ``cls``, the test module's TestDerived) once,
+    the moment TestDerived is defined in the test module (a swap that imports builtins runs
+    at import instead, before the test module's classes are built)."""
+    return (
+        "import sys\n\n_done = []\n\n\n"
+        "def _passes(self):\n    pass\n\n\n"
+        "def _build(real):\n"
+        "    def build(func, name, *bases, **kw):\n"
+        "        cls = real(func, name, *bases, **kw)\n"
+        "        if name == 'TestDerived':\n"
+        "            cls.test_add = _passes\n"
+        "        return cls\n"
+        "    return build\n\n\n"
+        "def _lines(frame, event, arg):\n"
+        "    cls = frame.f_globals.get('TestDerived')\n"
+        "    if isinstance(cls, type) and not _done:\n"
+        "        _done.append(1)\n"
+        f"        {'pass' if swap.startswith('import builtins') else swap}\n"
+        "    return _lines\n\n\n"
+        "_f = sys._getframe(1)\n"
+        "while _f is not None and _f.f_globals.get('__name__') != 'test_inh':\n"
+        "    _f = _f.f_back\n"
+        "_f.f_trace = _lines\nsys.settrace(lambda *a: None)\n"
+        + (swap + "\n" if swap.startswith("import builtins") else ""))
+
+
+@pytest.mark.parametrize("swap", [
+    "cls.__mro__[1].test_add = _passes",
+    "cls.__bases__ = (type('Other', (), {'test_add': _passes}),)",
+    "frame.f_globals['TestDerived'] = type('TestDerived', (), {'test_add': _passes})",
+    "import builtins; builtins.__build_class__ = _build(builtins.__build_class__)",
+], ids=["base-method-rebound", "bases-replaced", "class-replaced-in-globals", "build-class-hook"])
+async def test_an_inherited_test_faked_through_its_base_scores_0(test_images_root, calc_task, swap):
+    task = calc_task.model_copy(update={
+        "instance_id": "calc__inherited-3", "test_patch": _new_files({"test_inh.py": _INHERITED}),
+        "FAIL_TO_PASS": ("test_inh.py::TestDerived::test_add",), "PASS_TO_PASS": ()})
+
+    async def episode(lease) -> None:
+        await lease.write_file("calc.py", _buggy_calc_with(_inherited_attack(swap)))
+        await lease.write_file("test_inh.py", _INHERITED.encode())  # the policy's own copy, removed after
+        res = await lease.exec("python -m pytest -q -p no:cacheprovider test_inh.py; rm test_inh.py", timeout=60)
+        print("POLICY'S OWN RUN", res.text[-600:])
+        assert "1 passed" in res.text, res.text
+
+    result, _, infra = await _graded(test_images_root, task, episode)
+    assert infra == {}, infra
+    assert result.outcome in (Outcome.COMPLETED, Outcome.TASK_FAILED) and result.reward == 0.0, result
+
+
+#: Honest inherited styles: an override by assignment, a nested class, a mixin before an
+#: attribute base (unittest.TestCase), and a base two levels up.
+_INHERITED_HONEST = '''\
+import unittest
+
+from calc import add
+
+
+class Base:
+    def test_add(self):
+        assert add(2, 3) == 5
+
+
+class TestAssigned(Base):
+    test_add = Base.test_add
+
+
+class TestOuter:
+    class TestInner(Base):
+        pass
+
+
+class Mixin:
+    def test_mixed(self):
+        self.assertEqual(add(1, 1), 2)
+
+
+class TestMixed(Mixin, unittest.TestCase):
+    pass
+
+
+class Middle(Base):
+    pass
+
+
+class TestDeep(Middle):
+    pass
+'''
+
+
+async def test_honest_inherited_styles_score_1_with_the_gold_patch(test_images_root, calc_task):
+    ids = ("test_inh.py::TestAssigned::test_add", "test_inh.py::TestOuter::TestInner::test_add",
+           "test_inh.py::TestMixed::test_mixed", "test_inh.py::TestDeep::test_add")
+    task = calc_task.model_copy(update={
+        "instance_id": "calc__inherited-4", "test_patch": _new_files({"test_inh.py": _INHERITED_HONEST}),
+        "FAIL_TO_PASS": ids, "PASS_TO_PASS": ()})
+    result, _, infra = await _graded(test_images_root, task,
+                                     _write("calc.py", b"def add(a, b):\n    return a + b\n"))
+    assert infra == {}, infra
+    assert (result.outcome, result.reward) == (Outcome.COMPLETED, 1.0), result
+    none, _, _ = await _graded(test_images_root, task, _write("calc.py", b"def add(a, b):\n    return a - b\n"))
+    assert none.reward == 0.0 and "never returned" not in str(none), none
+
+
+_NESTED = '''\
+from calc import add
+
+
+class Base:
+    def test_add(self):
+        assert add(2, 3) == 5
+
+
+class TestOuter:
+    class TestDerived(Base):
+        pass
+'''
+
+_ASSIGNED = '''\
+from calc import add
+
+
+class Base:
+    def test_add(self):
+        assert add(2, 3) == 5
+
+
+class TestDerived(Base):
+    test_add = Base.test_add
+'''
+
+#: Rebinds test_add on every class named TestDerived as it is built (nested ones included).
+_REBIND_ON_BUILD = """\
+import builtins
+
+
+def _passes(self):
+    pass
+
+
+def _build(real):
+    def build(func, name, *bases, **kw):
+        cls = real(func, name, *bases, **kw)
+        if name == "TestDerived":
+            cls.test_add = _passes
+        return cls
+    return build
+
+
+builtins.__build_class__ = _build(builtins.__build_class__)
+"""

@@ -178,11 +178,16 @@ def _inherited_defs_of():
         """``{"Derived.name": "Base.name"}`` for each method a top-level class of ``tree``
         inherits from a top-level class of the same file, where Python's lookup is certain
         from the source: the bases, depth first from the left, reach the defining class
-        through classes of the file only, with none met twice (a diamond) and no base that
-        is not a plain name of the file (an imported base could define it first)."""
-        classes = {}
+        through classes of the file only, each bound once at top level, by C3 with no base
+        that is not such a class before the def (an imported base could define it first)."""
+        classes, rebound = {}, b_set()
         for node in tree.body:
-            if b_isinstance(node, ClassDef):  # a later definition replaces an earlier one
+            if b_isinstance(node, assigns):  # a top-level name bound otherwise too
+                targets = node.targets if b_isinstance(node, ast_assign) else [node.target]
+                rebound.update([t.id for t in targets if b_isinstance(t, Name)])
+            if b_isinstance(node, ClassDef):
+                if node.name in classes:  # which class a base name meant depends on when
+                    rebound.add(node.name)
                 bases = [b.id if b_isinstance(b, Name) else None for b in node.bases]
                 own = b_set([n.name for n in node.body if b_isinstance(n, defs)])
                 bound = b_set()  # names the class body binds otherwise (test_x = ...)
@@ -191,6 +196,8 @@ def _inherited_defs_of():
                         targets = n.targets if b_isinstance(n, ast_assign) else [n.target]
                         bound.update([t.id for t in targets if b_isinstance(t, Name)])
                 classes[node.name] = (bases, own - bound, own | bound)
+        for name in rebound:  # a name bound twice is opaque: nothing through it is certain
+            classes.pop(name, None)
 
         def lookup_order(name, seen=()):
             # Python's C3 linearization over the file's classes; a base that is not one of
